@@ -1,0 +1,235 @@
+"""The radix (prefix) tree: token pages -> KV slots, with lock refs and LRU eviction.
+
+Keys and values are page-aligned: every node holds a whole number of pages of
+tokens (key) and the slots where their KV lives (value, same length). Matching
+and inserting floor their input to a page multiple, so splits land on page
+boundaries and the tree always owns whole pages.
+
+Lock refs: locking a node locks the path to the root. A node whose lock_ref
+goes 0 -> 1 moves its tokens from `evictable_size` to `protected_size`. Only
+unlocked leaves are evicted (least recently used first). The root is always
+locked and holds no tokens.
+
+Node ids are stable: a split inserts a new *upper* node and keeps the id of
+the lower part, so an id handed to a request stays valid while it is locked
+(locked nodes are never evicted).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcore.slots import floor_page, pages_of_slots
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class _Node:
+    __slots__ = ("id", "key", "value", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, node_id: int, key: np.ndarray, value: np.ndarray, parent: _Node | None):
+        self.id = node_id
+        self.key = key
+        self.value = value
+        self.children: dict[object, _Node] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    length: int  # matched tokens, a page multiple
+    slots: np.ndarray  # KV slots of the matched tokens
+    node_id: int  # deepest matched node (the root's id 0 when nothing matched)
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    existing_len: int  # tokens of the key that were already in the tree before this insert
+    node_id: int  # node ending at the inserted key's (page-floored) end
+    slots: np.ndarray  # the tree's slots for the whole inserted key (old ones where it existed)
+
+
+class RadixTree:
+    ROOT_ID = 0
+
+    def __init__(self, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        self._root = _Node(self.ROOT_ID, _EMPTY, _EMPTY, None)
+        self._root.lock_ref = 1
+        self._nodes: dict[int, _Node] = {self.ROOT_ID: self._root}
+        self.evictable_size = 0  # tokens in unlocked nodes
+        self.protected_size = 0  # tokens in locked nodes
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._nodes) - 1
+
+    def has_node(self, node_id: int) -> bool:
+        return node_id in self._nodes
+
+    def lock_ref(self, node_id: int) -> int:
+        return self._nodes[node_id].lock_ref
+
+    def owned_slots(self) -> np.ndarray:
+        values = [n.value for n in self._nodes.values() if n.value.size]
+        return np.concatenate(values) if values else _EMPTY.copy()
+
+    def owned_pages(self) -> np.ndarray:
+        return pages_of_slots(self.owned_slots(), self.page_size)
+
+    def locked_node_ids(self) -> list[int]:
+        return [i for i, n in self._nodes.items() if n.lock_ref > 0 and i != self.ROOT_ID]
+
+    # ---- match / insert ------------------------------------------------------------------
+    def match_prefix(self, tokens) -> MatchResult:
+        """Longest cached page-aligned prefix of `tokens`. Refreshes LRU; may split a node."""
+        key = np.asarray(tokens, dtype=np.int64)
+        end = floor_page(len(key), self.page_size)
+        node, pos, parts = self._root, 0, []
+        now = next(self._clock)
+        while pos < end:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            m = self._common_len(child.key, key[pos:end])
+            if m == 0:
+                break
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = now
+            parts.append(child.value)
+            pos += m
+            node = child
+        slots = np.concatenate(parts) if parts else _EMPTY.copy()
+        return MatchResult(pos, slots, node.id)
+
+    def insert(self, tokens, slots) -> InsertResult:
+        """Insert the page-floored prefix of `tokens` with their `slots`.
+
+        Where the tree already holds a prefix, it keeps its own slots: the caller's
+        slots for [0, existing_len) are duplicates the caller must free (except the
+        ones it had matched from the tree in the first place).
+        """
+        key = np.asarray(tokens, dtype=np.int64)
+        val = np.asarray(slots, dtype=np.int64)
+        if len(val) < len(key):
+            raise ValueError(f"{len(key)} tokens but only {len(val)} slots")
+        end = floor_page(len(key), self.page_size)
+        node, pos, parts = self._root, 0, []
+        now = next(self._clock)
+        existing = None
+        while pos < end:
+            ck = self._child_key(key, pos)
+            child = node.children.get(ck)
+            m = 0 if child is None else self._common_len(child.key, key[pos:end])
+            if m == 0:
+                existing = pos
+                leaf = _Node(next(self._ids), key[pos:end].copy(), val[pos:end].copy(), node)
+                leaf.last_access = now
+                node.children[ck] = leaf
+                self._nodes[leaf.id] = leaf
+                self.evictable_size += end - pos
+                parts.append(leaf.value)
+                node, pos = leaf, end
+                break
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = now
+            parts.append(child.value)
+            pos += m
+            node = child
+        tree_slots = np.concatenate(parts) if parts else _EMPTY.copy()
+        return InsertResult(end if existing is None else existing, node.id, tree_slots)
+
+    # ---- locks ---------------------------------------------------------------------------
+    def inc_lock_ref(self, node_id: int) -> None:
+        node = self._nodes[node_id]
+        while node is not self._root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node_id: int) -> None:
+        node = self._nodes[node_id]
+        path = []
+        while node is not self._root:
+            if node.lock_ref <= 0:
+                raise ValueError(f"node {node_id}: unlock without a lock (at node {node.id})")
+            path.append(node)
+            node = node.parent
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self.protected_size -= len(n.key)
+                self.evictable_size += len(n.key)
+
+    # ---- eviction ------------------------------------------------------------------------
+    def evict(self, num_pages: int) -> np.ndarray:
+        """Evict unlocked leaves, LRU first, until >= num_pages pages are freed (or none left).
+
+        Returns the freed pages; the caller returns them to the page pool.
+        """
+        want = num_pages * self.page_size
+        heap = [(n.last_access, n.id) for n in self._nodes.values() if self._is_evictable_leaf(n)]
+        heapq.heapify(heap)
+        freed: list[np.ndarray] = []
+        got = 0
+        while got < want and heap:
+            _, nid = heapq.heappop(heap)
+            node = self._nodes[nid]
+            parent = node.parent
+            del parent.children[self._child_key(node.key, 0)]
+            del self._nodes[nid]
+            self.evictable_size -= len(node.key)
+            freed.append(node.value)
+            got += len(node.key)
+            if self._is_evictable_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.id))
+        slots = np.concatenate(freed) if freed else _EMPTY
+        return pages_of_slots(slots, self.page_size)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _is_evictable_leaf(self, node: _Node) -> bool:
+        return node is not self._root and not node.children and node.lock_ref == 0
+
+    def _child_key(self, key: np.ndarray, pos: int) -> object:
+        if self.page_size == 1:
+            return int(key[pos])
+        return key[pos : pos + self.page_size].tobytes()
+
+    def _common_len(self, a: np.ndarray, b: np.ndarray) -> int:
+        n = min(len(a), len(b))
+        neq = np.nonzero(a[:n] != b[:n])[0]
+        m = int(neq[0]) if neq.size else n
+        return floor_page(m, self.page_size)
+
+    def _split(self, child: _Node, m: int) -> _Node:
+        """Cut `child` at m tokens: a new upper node takes [0, m); `child` keeps the rest."""
+        parent = child.parent
+        upper = _Node(next(self._ids), child.key[:m].copy(), child.value[:m].copy(), parent)
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        child.key = child.key[m:].copy()
+        child.value = child.value[m:].copy()
+        child.parent = upper
+        upper.children[self._child_key(child.key, 0)] = child
+        parent.children[self._child_key(upper.key, 0)] = upper
+        self._nodes[upper.id] = upper
+        return upper
