@@ -1,0 +1,55 @@
+"""A `PrefixPort` that reaches the radix cache actor over its mailbox."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actors.runtime import ActorRef
+from kvcore import MatchResult
+from kvcore.radix_tree import InsertResult
+from transport.messages.radix import (
+    EvictPages,
+    EvictReply,
+    InsertPrefix,
+    InsertReply,
+    MatchAndLock,
+    MatchReply,
+    TreeStats,
+    TreeStatsRequest,
+    UnlockNode,
+)
+
+
+class RemotePrefixPort:
+    def __init__(self, radix: ActorRef) -> None:
+        self.radix = radix
+
+    async def match_and_lock(self, tokens: np.ndarray) -> MatchResult:
+        r = await self.radix.call(MatchAndLock(tokens=tokens.tolist()), expect=MatchReply)
+        return MatchResult(r.length, np.asarray(r.slots, dtype=np.int64), r.node_id)
+
+    async def insert(
+        self, tokens: np.ndarray, slots: np.ndarray, unlock_node: int | None, lock_new: bool
+    ) -> InsertResult:
+        msg = InsertPrefix(
+            tokens=tokens.tolist(),
+            slots=slots.tolist(),
+            unlock_node=-1 if unlock_node is None else unlock_node,
+            lock_new=lock_new,
+        )
+        r = await self.radix.call(msg, expect=InsertReply)
+        return InsertResult(r.existing_len, r.node_id, np.asarray(r.slots, dtype=np.int64))
+
+    async def unlock(self, node_id: int) -> None:
+        await self.radix.call(UnlockNode(node_id=node_id))
+
+    async def evict(self, num_pages: int) -> np.ndarray:
+        r = await self.radix.call(EvictPages(num_pages=num_pages), expect=EvictReply)
+        return np.asarray(r.pages, dtype=np.int64)
+
+    async def owned_pages(self) -> np.ndarray:
+        r = await self.radix.call(TreeStatsRequest(with_pages=True), expect=TreeStats)
+        return np.asarray(r.pages, dtype=np.int64)
+
+    async def stats(self) -> TreeStats:
+        return await self.radix.call(TreeStatsRequest(), expect=TreeStats)

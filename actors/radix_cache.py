@@ -1,0 +1,74 @@
+"""The radix cache actor: the prefix tree as a service.
+
+Owns one `kvcore.RadixTree`. The allocator is the only sender of the mutating
+messages (match-and-lock, insert, unlock, evict), so page transfers between the
+tree and the page pool happen in the allocator's mailbox order. The scheduler
+may `PeekPrefix` (read-only) for longest-prefix-match scheduling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actors.allocator.prefix_port import insert_and_relock, match_and_lock
+from actors.runtime import Actor
+from kvcore import RadixTree
+from transport.messages.radix import (
+    EvictPages,
+    EvictReply,
+    InsertPrefix,
+    InsertReply,
+    MatchAndLock,
+    MatchReply,
+    PeekPrefix,
+    PeekReply,
+    TreeStats,
+    TreeStatsRequest,
+    UnlockNode,
+)
+
+
+class RadixCacheActor(Actor):
+    inbox = MatchAndLock | InsertPrefix | UnlockNode | EvictPages | PeekPrefix | TreeStatsRequest
+
+    def __init__(self, page_size: int) -> None:
+        self.tree = RadixTree(page_size)
+
+    async def handle(self, msg, sender):
+        tree = self.tree
+        if isinstance(msg, MatchAndLock):
+            m = match_and_lock(tree, np.asarray(msg.tokens, dtype=np.int64))
+            return MatchReply(length=m.length, slots=m.slots.tolist(), node_id=m.node_id)
+        if isinstance(msg, InsertPrefix):
+            res = insert_and_relock(
+                tree,
+                np.asarray(msg.tokens, dtype=np.int64),
+                np.asarray(msg.slots, dtype=np.int64),
+                None if msg.unlock_node < 0 else msg.unlock_node,
+                msg.lock_new,
+            )
+            return InsertReply(
+                existing_len=res.existing_len, node_id=res.node_id, slots=res.slots.tolist()
+            )
+        if isinstance(msg, UnlockNode):
+            tree.dec_lock_ref(msg.node_id)
+            return None
+        if isinstance(msg, EvictPages):
+            return EvictReply(pages=tree.evict(msg.num_pages).tolist())
+        if isinstance(msg, PeekPrefix):
+            return PeekReply(lengths=[tree.match_prefix(t).length for t in msg.tokens])
+        if isinstance(msg, TreeStatsRequest):
+            return TreeStats(
+                evictable_tokens=tree.evictable_size,
+                protected_tokens=tree.protected_size,
+                nodes=tree.num_nodes,
+                pages=tree.owned_pages().tolist() if msg.with_pages else [],
+            )
+        raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def stats(self) -> dict[str, int | float]:
+        return {
+            "tree_evictable_tokens": self.tree.evictable_size,
+            "tree_protected_tokens": self.tree.protected_size,
+            "tree_nodes": self.tree.num_nodes,
+        }

@@ -1,0 +1,100 @@
+"""Scheduler <-> allocator messages. One message carries a whole step's requests.
+
+Slot deltas returned here are forwarded unchanged to the model runner with the
+next forward batch, so its replica of the req-to-token table stays exact.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from transport.messages.base import HotMessage, Message
+
+
+class SlotDeltas(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Row writes: for each i, table[rows[i], starts[i] : starts[i] + lengths[i]] = next slots."""
+
+    rows: list[int] = []
+    starts: list[int] = []
+    lengths: list[int] = []
+    slots: list[int] = []
+
+
+class ExtendItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    rid: int
+    tokens: list[int]  # every token known for the request (prompt, plus output after a retraction)
+    budget: int  # at most this many tokens computed in this chunk
+
+
+class ExtendGrantItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    rid: int
+    row: int  # -1: refused (no pages or rows even after eviction); nothing changed
+    cached_len: int  # tokens served from the prefix tree at admission
+    start: int
+    end: int
+
+
+class AllocExtend(HotMessage):
+    items: list[ExtendItem]
+
+
+class AllocExtendReply(HotMessage):
+    grants: list[ExtendGrantItem]
+    deltas: SlotDeltas
+
+
+class AllocDecode(HotMessage):
+    rids: list[int]
+
+
+class AllocDecodeReply(HotMessage):
+    short_pages: int  # 0: every request got its slot; >0: none did, this many pages missing
+    deltas: SlotDeltas
+
+
+class CacheUnfinished(HotMessage):
+    """After a non-final prefill chunk: move its whole pages into the prefix tree."""
+
+    rids: list[int]
+    tokens: list[list[int]]
+
+
+class CacheUnfinishedReply(HotMessage):
+    deltas: SlotDeltas
+
+
+RELEASE_FINISH = 0  # cache committed pages in the tree, free the rest, drop the record
+RELEASE_ABORT = 1  # free everything, drop the record (idempotent)
+RELEASE_RETRACT = 2  # cache committed pages, free the rest, keep the record for re-admission
+
+
+class ReleaseItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    rid: int
+    kind: int
+    tokens: list[int] = []
+
+
+class ReleaseBatch(HotMessage):
+    items: list[ReleaseItem]
+
+
+class KvStatsRequest(Message):
+    check_invariants: bool = False
+
+
+class KvStats(Message):
+    page_size: int
+    total_pages: int
+    free_pages: int
+    tree_pages: int
+    held_pages: int  # owned by live requests
+    session_pages: int
+    evictable_pages: int  # tree pages no request locks
+    records: int  # live request records
+    held_rows: int
+    cache_hit_tokens: int
+    evicted_pages: int
+    admitted: int
+    finished: int
+    aborted: int
+    retracted: int

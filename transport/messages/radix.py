@@ -1,0 +1,66 @@
+"""Allocator (and scheduler) <-> radix cache actor messages.
+
+Only the allocator sends the mutating ones (match-and-lock, insert, unlock,
+evict): every page transfer between the tree and the pool is one call, so it is
+atomic from the allocator's mailbox. `PeekPrefix` is read-only (scheduling policy).
+"""
+
+from __future__ import annotations
+
+from transport.messages.base import HotMessage, Message
+
+
+class MatchAndLock(HotMessage):
+    tokens: list[int]
+
+
+class MatchReply(HotMessage):
+    length: int
+    slots: list[int]
+    node_id: int
+
+
+class InsertPrefix(HotMessage):
+    tokens: list[int]
+    slots: list[int]
+    unlock_node: int = -1  # -1: none
+    lock_new: bool = False
+
+
+class InsertReply(HotMessage):
+    existing_len: int
+    node_id: int
+    slots: list[int]
+
+
+class UnlockNode(HotMessage):
+    node_id: int
+
+
+class EvictPages(HotMessage):
+    num_pages: int
+
+
+class EvictReply(HotMessage):
+    pages: list[int]
+
+
+class PeekPrefix(HotMessage):
+    """Matched length per token list, without locking (may still split nodes)."""
+
+    tokens: list[list[int]]
+
+
+class PeekReply(HotMessage):
+    lengths: list[int]
+
+
+class TreeStatsRequest(Message):
+    with_pages: bool = False
+
+
+class TreeStats(Message):
+    evictable_tokens: int
+    protected_tokens: int
+    nodes: int
+    pages: list[int] = []
