@@ -1,0 +1,142 @@
+"""Front-of-engine messages: clients <-> tokenizer <-> scheduler.
+
+Client-facing request ids are strings chosen by the client (the gateway, the
+ZeroMQ SDK, the offline API); inside the engine every request has an int `rid`
+assigned by the tokenizer actor. Outputs flow scheduler -> tokenizer (token
+ids, one `TokenBatch` per step) -> the request's `reply_to` actor (text, one
+`OutputBatch` per destination per step).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from transport.messages.base import HotMessage, Message
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str
+    content: str | list[dict[str, str]] | None = None
+    name: str | None = None
+
+
+class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class GenerateRequest(Message):
+    """Call to the tokenizer actor; answered by `Accepted` or an ErrorReply (bad input)."""
+
+    client_rid: str
+    reply_to: str  # actor that receives this request's OutputBatch entries
+    params: GenerationParams
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class Accepted(Message):
+    client_rid: str
+    rid: int
+    prompt_tokens: int
+
+
+class AbortGeneration(Message):
+    """Client -> tokenizer: abort by client id (unknown ids are ignored)."""
+
+    client_rids: list[str]
+
+
+class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    rid: int
+    prompt_ids: list[int]
+    params: GenerationParams
+    eos_ids: list[int]  # stop ids from the model, honoured unless ignore_eos
+
+
+class SubmitRequests(HotMessage):
+    reqs: list[NewRequest]
+
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+class EndRequests(HotMessage):
+    """Tokenizer -> scheduler: stop these requests (abort, or a stop string matched)."""
+
+    rids: list[int]
+    reason: str  # FINISH_ABORT or FINISH_STOP
+
+
+class TokenBatch(HotMessage):
+    """Scheduler -> tokenizer, once per step: new tokens and finishes, flat."""
+
+    rids: list[int]
+    counts: list[int]  # new tokens per rid (0 when only a finish is reported)
+    tokens: list[int]
+    finish: list[str]  # "" while running, else a FINISH_* reason
+    cached: list[int]  # prompt tokens served from the prefix cache (first report only; else -1)
+    logprobs: list[float] = []  # per token in `tokens`, when any request asked
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]] = []
+
+
+class OutputChunk(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    client_rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = []
+    stop_matched: str | int | None = None
+
+
+class OutputBatch(HotMessage):
+    chunks: list[OutputChunk]
+
+
+class SchedulerStatsRequest(Message):
+    pass
+
+
+class SchedulerStats(Message):
+    waiting: int
+    running: int
+    prefilling: int
+    steps: int
+    decode_steps: int
+    retractions: int
+    prompt_tokens: int
+    generated_tokens: int
+    cached_tokens: int
+    new_token_ratio: float
+    pure_decode_steps: int = 0  # decode steps with no admission, finish or end
+    pure_decode_messages: int = 0  # messages the scheduler sent during those steps
