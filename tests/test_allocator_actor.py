@@ -34,7 +34,9 @@ from transport.messages.alloc import (
 
 def kv_specs(num_pages=48, page_size=4, rows=6, capacity=96, group="kv"):
     return [
-        ActorSpec("radix", "actors.radix_cache:RadixCacheActor", {"page_size": page_size}, group=group),
+        ActorSpec(
+            "radix", "actors.radix_cache:RadixCacheActor", {"page_size": page_size}, group=group
+        ),
         ActorSpec(
             "allocator",
             "actors.allocator.actor:AllocatorActor",
@@ -61,7 +63,9 @@ async def drive_workload(alloc, seed: int, steps: int = 120) -> dict[str, int]:
         op = rng.random()
         if op < 0.25 or not tokens:
             cut = rng.randrange(0, 40)
-            tokens[next_rid] = base[:cut] + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))]
+            tokens[next_rid] = base[:cut] + [
+                rng.randrange(1000) for _ in range(rng.randrange(1, 20))
+            ]
             next_rid += 1
         elif op < 0.5:
             pending = [r for r in tokens if done.get(r, -1) < len(tokens[r])]
@@ -69,7 +73,12 @@ async def drive_workload(alloc, seed: int, steps: int = 120) -> dict[str, int]:
                 continue
             batch = rng.sample(pending, min(len(pending), 3))
             reply = await alloc.call(
-                AllocExtend(items=[ExtendItem(rid=r, tokens=tokens[r], budget=rng.randrange(4, 32)) for r in batch]),
+                AllocExtend(
+                    items=[
+                        ExtendItem(rid=r, tokens=tokens[r], budget=rng.randrange(4, 32))
+                        for r in batch
+                    ]
+                ),
                 expect=AllocExtendReply,
             )
             unfinished = []
@@ -92,7 +101,11 @@ async def drive_workload(alloc, seed: int, steps: int = 120) -> dict[str, int]:
             if reply.short_pages:
                 counts["decode_short"] += 1
                 victim = rng.choice(ready)
-                await alloc.call(ReleaseBatch(items=[ReleaseItem(rid=victim, kind=RELEASE_RETRACT, tokens=tokens[victim])]))
+                await alloc.call(
+                    ReleaseBatch(
+                        items=[ReleaseItem(rid=victim, kind=RELEASE_RETRACT, tokens=tokens[victim])]
+                    )
+                )
                 counts["retract"] += 1
                 del done[victim]
             else:
@@ -143,7 +156,9 @@ def test_bad_message_to_allocator_is_an_error_and_changes_nothing():
             with pytest.raises(RemoteError, match="holds no KV"):
                 await alloc.call(AllocDecode(rids=[12345]))
             with pytest.raises(RemoteError, match="exceed row capacity"):
-                await alloc.call(AllocExtend(items=[ExtendItem(rid=1, tokens=list(range(500)), budget=8)]))
+                await alloc.call(
+                    AllocExtend(items=[ExtendItem(rid=1, tokens=list(range(500)), budget=8)])
+                )
             after = await alloc.call(KvStatsRequest(check_invariants=True), expect=KvStats)
             assert after.free_pages == before.free_pages and after.records == before.records == 0
 

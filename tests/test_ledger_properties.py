@@ -42,7 +42,9 @@ class LedgerMachine(RuleBasedStateMachine):
         self.kv.apply(deltas, self.capacity)
 
     def _held(self):
-        return [r for r in self.tokens if self.ledger.records.get(r) and self.ledger.records[r].is_held]
+        return [
+            r for r in self.tokens if self.ledger.records.get(r) and self.ledger.records[r].is_held
+        ]
 
     def _prefilling(self):
         return [
@@ -51,11 +53,17 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _decoding(self):
         return [
-            r for r in self._held() if self.ledger.records[r].kv_committed_len == len(self.tokens[r])
+            r
+            for r in self._held()
+            if self.ledger.records[r].kv_committed_len == len(self.tokens[r])
         ]
 
     # -- rules --
-    @rule(base=st.sampled_from(BASES), cut=st.integers(0, 40), suffix=st.lists(st.integers(0, 50), max_size=12))
+    @rule(
+        base=st.sampled_from(BASES),
+        cut=st.integers(0, 40),
+        suffix=st.lists(st.integers(0, 50), max_size=12),
+    )
     def new_request(self, base, cut, suffix):
         toks = np.array(base[:cut] + suffix, dtype=np.int64)
         if len(toks) < 1:
@@ -67,7 +75,8 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), budget=st.integers(1, 24))
     def extend(self, data, budget):
         waiting = [
-            r for r in self.tokens
+            r
+            for r in self.tokens
             if not self.ledger.record(r).is_held
             or self.ledger.records[r].kv_committed_len < len(self.tokens[r])
         ]
@@ -136,7 +145,9 @@ class LedgerMachine(RuleBasedStateMachine):
         for rid in rids:
             rec = self.ledger.records[rid]
             self.tokens[rid] = np.append(self.tokens[rid], new_token)
-            self.kv.write(rec.req_pool_idx, self.tokens[rid], rec.kv_committed_len - 1, rec.kv_committed_len)
+            self.kv.write(
+                rec.req_pool_idx, self.tokens[rid], rec.kv_committed_len - 1, rec.kv_committed_len
+            )
             self.kv.assert_row_holds(rec.req_pool_idx, self.tokens[rid], rec.kv_committed_len)
 
     @precondition(lambda self: self.tokens)
@@ -190,7 +201,9 @@ class LedgerMachinePage16(LedgerMachine):
 
 
 _settings = settings(
-    max_examples=120, stateful_step_count=50, deadline=None,
+    max_examples=120,
+    stateful_step_count=50,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestLedgerPage1 = LedgerMachine.TestCase
@@ -225,7 +238,9 @@ def test_prefix_reuse_prefills_only_new_tokens():
 def test_decode_is_all_or_nothing_and_reports_shortfall():
     ledger, tree = make_ledger(3, 2, 4, capacity=16)
     for rid in (1, 2):
-        run_sync(ledger.alloc_extend(rid, np.array([rid, 5, 6, 7]), 8, []))  # 2 pages each? no: 3 pages total
+        run_sync(
+            ledger.alloc_extend(rid, np.array([rid, 5, 6, 7]), 8, [])
+        )  # 2 pages each? no: 3 pages total
     # Pool had 3 pages: request 1 took 2, request 2 could not be admitted.
     held = [r for r in (1, 2) if ledger.records[r].is_held]
     assert held == [1]

@@ -79,7 +79,9 @@ class AllocatorActor(Actor):
                 toks = np.asarray(item.tokens, dtype=np.int64)
                 g = await ledger.alloc_extend(item.rid, toks, item.budget, deltas)
                 if g is None:
-                    grants.append(ExtendGrantItem(rid=item.rid, row=-1, cached_len=0, start=0, end=0))
+                    grants.append(
+                        ExtendGrantItem(rid=item.rid, row=-1, cached_len=0, start=0, end=0)
+                    )
                 else:
                     grants.append(
                         ExtendGrantItem(

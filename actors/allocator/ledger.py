@@ -298,7 +298,9 @@ class KvLedger:
                 self.counters.evicted_pages += int(freed.size)
         return self.pool.num_free >= pages
 
-    async def _reserve_slots(self, start: int, end: int, last_slot: int | None) -> np.ndarray | None:
+    async def _reserve_slots(
+        self, start: int, end: int, last_slot: int | None
+    ) -> np.ndarray | None:
         """Slots for positions [start, end): fill the open page after `last_slot`, then new pages."""
         ps = self.page_size
         n = end - start

@@ -1,0 +1,166 @@
+"""bin/engine: serve | generate | bench.
+
+  bin/engine serve [--config F] [--host H] [--port P] [--api-key K] [--zmq ADDR] [--set k=v ...]
+  bin/engine generate "prompt" [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]
+                      [--seed S] [--stop STR ...] [--chat] [--set k=v ...]
+  bin/engine bench {transport,model,lm_head,engine,serving} [...]
+
+`--set section.key=value` overrides any config key (values parsed as TOML scalars).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+import tomllib
+
+import anyio
+
+
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or "." not in key:
+            raise SystemExit(f"--set expects section.key=value, got {pair!r}")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out[key.replace(".", "__", 1)] = value
+    return out
+
+
+def _config(args, **extra):
+    from actors.engine import EngineConfig
+
+    return EngineConfig.load(args.config, **_overrides(args.set), **extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bin/engine", description="kvactor LLM serving engine")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (+ ZeroMQ endpoint)")
+    serve.add_argument("--config")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--api-key")
+    serve.add_argument("--zmq", help="ZeroMQ client endpoint, e.g. tcp://127.0.0.1:5557")
+    serve.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+
+    gen = sub.add_parser("generate", help="stream one completion to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--config")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat turn")
+    gen.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+
+    bench = sub.add_parser("bench", help="benchmarks (not tests)")
+    bench.add_argument("what", choices=["transport", "model", "lm_head", "engine", "serving"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+
+    args = parser.parse_args(argv)
+    if args.cmd == "serve":
+        return anyio.run(_serve, args)
+    if args.cmd == "generate":
+        return anyio.run(_generate, args)
+    return _bench(args)
+
+
+async def _generate(args) -> int:
+    from actors.engine import ServingEngine
+    from actors.frontend import GenerationError
+    from transport.messages.engine import ChatMessage, GenerationParams
+
+    params = GenerationParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    prompt = (
+        {"messages": [ChatMessage(role="user", content=args.prompt)]}
+        if args.chat
+        else {"prompt": args.prompt}
+    )
+    async with ServingEngine(_config(args)) as eng:
+        t0 = time.perf_counter()
+        n = 0
+        first = None
+        try:
+            async for chunk in eng.client.generate(params, **prompt):
+                if chunk.token_ids and first is None:
+                    first = time.perf_counter() - t0
+                n += len(chunk.token_ids)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finish_reason:
+                    reason = chunk.finish_reason
+        except GenerationError as exc:
+            print(f"error: {exc.message}", file=sys.stderr)
+            return 2
+        total = time.perf_counter() - t0
+        print(
+            f"\n[{n} tokens, finish={reason}, ttft={first or 0:.2f}s, {n / total:.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+async def _serve(args) -> int:
+    from actors.engine import ServingEngine, serving_specs
+
+    extra = {}
+    for key, value in (("host", args.host), ("port", args.port), ("api_key", args.api_key)):
+        if value is not None:
+            extra[f"server__{key}"] = value
+    cfg = _config(args, **extra)
+    async with ServingEngine(cfg, extra_specs=serving_specs(cfg, zmq_address=args.zmq)) as eng:
+        print(
+            f"kvactor serving {cfg.server.model_name} on http://{cfg.server.host}:{cfg.server.port}"
+            + (f" and {args.zmq}" if args.zmq else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        async with anyio.create_task_group() as tg:
+
+            async def on_signal() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(on_signal)
+            crash = await eng.engine.wait_stopped()
+            tg.cancel_scope.cancel()
+    return 1 if crash is not None else 0
+
+
+def _bench(args) -> int:
+    sys.argv = [f"bench {args.what}", *args.rest]
+    if args.what == "transport":
+        from transport.bench import main as run
+    elif args.what == "model":
+        from kernels.bench import main as run
+    elif args.what == "lm_head":
+        from kernels.bench_lm_head import main as run
+    elif args.what == "serving":
+        from actors.bench_serving import main as run
+    else:
+        from actors.bench_engine import main as run
+    result = run()
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

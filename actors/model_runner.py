@@ -1,0 +1,153 @@
+"""The model runner actor: weights, KV tensors, the req-to-token replica, forward + sampling.
+
+One `ForwardBatchMsg` in, one `StepResultMsg` out. The forward runs in a worker
+thread (torch releases the GIL), so actors sharing this process keep serving
+while the model computes. Sampling state lives here per request: registered by
+`new_reqs`, dropped by `finished_rids`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import numpy as np
+import torch
+
+from actors.runtime import Actor
+from transport.messages.runner import ForwardBatchMsg, SamplingSpec, StepResultMsg
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class ModelRunnerActor(Actor):
+    inbox = ForwardBatchMsg
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        max_rows: int,
+        row_capacity: int,
+        model: str | None = None,
+        dtype: str = "float32",
+        attention: str = "torch",
+        threads: int | None = None,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.model_path = model
+        self.dtype = _DTYPES[dtype]
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.max_rows = max_rows
+        self.row_capacity = row_capacity
+        self.attention_name = attention
+        self.threads = threads
+        self.executor = None
+        self.sampler = None
+        self.steps = 0
+        self.forward_s = 0.0
+
+    async def on_start(self) -> None:
+        await anyio.to_thread.run_sync(self._load)
+
+    def _load(self) -> None:
+        from kernels.attention import make_attention_backend
+        from kernels.kv_cache import KVCache, ReqToTokenTable
+        from kernels.model_executor import ModelExecutor
+        from kernels.models import load_model
+        from kernels.sampling import Sampler
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        config, model = load_model(self.model_path, self.dtype)
+        kv = KVCache(
+            num_layers=config.num_layers,
+            num_slots=(self.num_pages + 1) * self.page_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=self.dtype,
+            page_size=self.page_size,
+        )
+        table = ReqToTokenTable(self.max_rows + 1, self.row_capacity)
+        self.config = config
+        self.executor = ModelExecutor(
+            config, model, kv, make_attention_backend(self.attention_name), table, validate=False
+        )
+        self.sampler = Sampler()
+
+    async def handle(self, msg, sender):
+        return await anyio.to_thread.run_sync(self._step, msg)
+
+    def _step(self, msg: ForwardBatchMsg) -> StepResultMsg:
+        from kernels.forward_batch import ForwardBatch, SlotDeltas
+        from kernels.sampling import SamplingParams
+
+        t0 = time.perf_counter()
+        sampler = self.sampler
+        for rid in msg.finished_rids:
+            sampler.remove_request(rid)
+        for spec in msg.new_reqs:
+            sampler.add_request(spec.rid, _params(spec, SamplingParams), list(spec.prompt_ids))
+        if not msg.rids:
+            return StepResultMsg(step=msg.step, rids=[], tokens=[])
+        ends = np.cumsum(msg.extend_lens)
+        flat = msg.input_ids
+        inputs = [flat[e - n : e] for e, n in zip(ends.tolist(), msg.extend_lens)]
+        d = msg.deltas
+        batch = ForwardBatch(
+            rows=list(msg.rows),
+            prefix_lens=list(msg.prefix_lens),
+            input_ids=inputs,
+            need_logits=list(msg.need_logits),
+            slot_deltas=SlotDeltas(d.rows, d.starts, d.lengths, d.slots),
+        )
+        logits = self.executor.forward(batch)
+        sample_rids = [rid for rid, need in zip(msg.rids, msg.need_logits) if need]
+        out = sampler.sample(sample_rids, logits) if sample_rids else None
+        elapsed = time.perf_counter() - t0
+        self.steps += 1
+        self.forward_s += elapsed
+        if out is None:
+            return StepResultMsg(step=msg.step, rids=[], tokens=[], forward_ms=elapsed * 1e3)
+        logprobs: list[float] = []
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        if out.logprobs is not None:
+            logprobs = [0.0 if lp is None else float(lp) for lp in out.logprobs]
+        if out.top_logprobs is not None:
+            top_ids = [[t for t, _ in row] for row in out.top_logprobs]
+            top_lps = [[float(lp) for _, lp in row] for row in out.top_logprobs]
+        return StepResultMsg(
+            step=msg.step,
+            rids=sample_rids,
+            tokens=[int(t) for t in out.tokens],
+            logprobs=logprobs,
+            top_ids=top_ids,
+            top_logprobs=top_lps,
+            forward_ms=elapsed * 1e3,
+        )
+
+    def stats(self) -> dict[str, int | float]:
+        return {"runner_steps": self.steps, "runner_forward_s": round(self.forward_s, 3)}
+
+
+def _params(spec: SamplingSpec, cls):
+    return cls(
+        temperature=spec.temperature,
+        top_k=spec.top_k,
+        top_p=spec.top_p,
+        min_p=spec.min_p,
+        seed=None if spec.seed < 0 else spec.seed,
+        repetition_penalty=spec.repetition_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        presence_penalty=spec.presence_penalty,
+        logprobs=spec.logprobs,
+        top_logprobs=spec.top_logprobs,
+    )

@@ -1,0 +1,297 @@
+"""The tokenizer actor: prompts in, text out.
+
+Owns the tokenizer, the chat template and one incremental detokenizer per
+live request. A `GenerateRequest` call is validated and tokenized here (bad
+input is an ErrorReply and changes nothing), then submitted to the scheduler.
+Each step's `TokenBatch` from the scheduler becomes one `OutputBatch` per
+destination actor. Stop strings are matched here: the text up to the stop is
+emitted, and the scheduler is told to end the request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import anyio
+
+from actors.chat_template import ChatTemplateError, render_chat
+from actors.detokenizer import IncrementalDetokenizer
+from actors.runtime import Actor
+from transport.messages.control import ErrorReply
+from transport.messages.engine import (
+    FINISH_STOP,
+    AbortGeneration,
+    Accepted,
+    EndRequests,
+    GenerateRequest,
+    GenerationParams,
+    NewRequest,
+    OutputBatch,
+    OutputChunk,
+    SubmitRequests,
+    TokenBatch,
+    TokenLogprob,
+)
+
+ERR_INVALID_REQUEST = "invalid_request"  # ErrorReply code for bad client input (HTTP 400)
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+
+
+class BadRequest(ValueError):
+    """Invalid client input; the gateway maps it to HTTP 400."""
+
+
+@dataclass
+class _Stream:
+    client_rid: str
+    reply_to: str
+    detok: IncrementalDetokenizer
+    params: GenerationParams
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    stopped: bool = False  # a stop string or id ended the text; later tokens are dropped
+
+
+def validate_params(p: GenerationParams, vocab: int) -> None:
+    def bad(field: str, why: str) -> None:
+        raise BadRequest(f"{field}: {why}")
+
+    if p.max_tokens < 1:
+        bad("max_tokens", f"must be >= 1, got {p.max_tokens}")
+    if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
+        bad("min_tokens", f"must be in [0, max_tokens], got {p.min_tokens}")
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    ):
+        if not math.isfinite(getattr(p, name)):
+            bad(name, "must be a finite number")
+    if not 0.0 <= p.temperature <= 2.0:
+        bad("temperature", f"must be in [0, 2], got {p.temperature}")
+    if not 0.0 < p.top_p <= 1.0:
+        bad("top_p", f"must be in (0, 1], got {p.top_p}")
+    if p.top_k < -1:
+        bad("top_k", f"must be -1 or 0 (off) or >= 1, got {p.top_k}")
+    if not 0.0 <= p.min_p <= 1.0:
+        bad("min_p", f"must be in [0, 1], got {p.min_p}")
+    if not 0.0 < p.repetition_penalty <= 2.0:
+        bad("repetition_penalty", f"must be in (0, 2], got {p.repetition_penalty}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -2.0 <= getattr(p, name) <= 2.0:
+            bad(name, f"must be in [-2, 2], got {getattr(p, name)}")
+    if p.seed is not None and not 0 <= p.seed < 2**63:
+        bad("seed", f"must be in [0, 2^63), got {p.seed}")
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    for s in p.stop:
+        if not s or len(s) > MAX_STOP_STRING_CHARS:
+            bad("stop", f"stop strings must have 1..{MAX_STOP_STRING_CHARS} characters")
+    for t in p.stop_token_ids:
+        if not 0 <= t < vocab:
+            bad("stop_token_ids", f"token id {t} outside the vocabulary [0, {vocab})")
+
+
+class TokenizerActor(Actor):
+    inbox = GenerateRequest | AbortGeneration | TokenBatch
+
+    def __init__(self, context_len: int, model: str | None = None, scheduler: str = "scheduler"):
+        self.model_path = model
+        self.context_len = context_len
+        self.scheduler_name = scheduler
+        self.streams: dict[int, _Stream] = {}
+        self.by_client: dict[str, int] = {}
+        self._rids = itertools.count(1)
+
+    async def on_start(self) -> None:
+        from kernels.tokenizer_loader import load_tokenizer
+
+        self.bundle = await anyio.to_thread.run_sync(load_tokenizer, self.model_path)
+        self.vocab = self.bundle.vocab_size
+        self.scheduler = self.ref(self.scheduler_name)
+
+    # ---- requests ------------------------------------------------------------------------
+    async def handle(self, msg, sender):
+        if isinstance(msg, TokenBatch):
+            await self._on_tokens(msg)
+            return None
+        if isinstance(msg, GenerateRequest):
+            try:
+                return await self._on_generate(msg)
+            except BadRequest as exc:
+                return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
+        if isinstance(msg, AbortGeneration):
+            rids = [self.by_client[c] for c in msg.client_rids if c in self.by_client]
+            if rids:
+                await self.scheduler.send(EndRequests(rids=rids, reason="abort"))
+            return None
+        raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def encode_prompt(self, msg: GenerateRequest) -> list[int]:
+        given = [x is not None for x in (msg.prompt, msg.prompt_ids, msg.messages)]
+        if sum(given) != 1:
+            raise BadRequest("give exactly one of prompt, prompt_ids, messages")
+        if msg.prompt_ids is not None:
+            bad = [t for t in msg.prompt_ids if not 0 <= t < self.vocab]
+            if bad:
+                raise BadRequest(f"prompt: token ids {bad[:5]} outside the vocabulary")
+            return list(msg.prompt_ids)
+        if msg.prompt is not None:
+            if not msg.prompt:
+                raise BadRequest("prompt is empty")
+            return self.bundle.encode(msg.prompt)
+        template = self.bundle.chat_template
+        if not template:
+            raise BadRequest("this model has no chat template; use a plain prompt")
+        try:
+            text = render_chat(
+                template,
+                [_msg_dict(m) for m in msg.messages],
+                add_generation_prompt=msg.add_generation_prompt,
+                bos_token=self.bundle.bos_token or "",
+                eos_token=self.bundle.eos_token or "",
+            )
+        except ChatTemplateError as exc:
+            raise BadRequest(f"messages: {exc}") from None
+        return self.bundle.encode(text, add_special_tokens=False)
+
+    async def _on_generate(self, msg: GenerateRequest) -> Accepted:
+        if msg.client_rid in self.by_client:
+            raise BadRequest(f"request id {msg.client_rid!r} is already running")
+        p = msg.params
+        validate_params(p, self.vocab)
+        ids = self.encode_prompt(msg)
+        if not ids:
+            raise BadRequest("prompt is empty")
+        if len(ids) >= self.context_len:
+            raise BadRequest(
+                f"prompt is {len(ids)} tokens; this model's context is {self.context_len} tokens"
+            )
+        room = self.context_len - len(ids)
+        if p.max_tokens > room:
+            p = _replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room))
+        rid = next(self._rids)
+        detok = IncrementalDetokenizer(
+            self.bundle.tokenizer,
+            prompt_ids=ids,
+            skip_special_tokens=p.skip_special_tokens,
+            stop=p.stop,
+            stop_token_ids=p.stop_token_ids,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+        )
+        self.streams[rid] = _Stream(msg.client_rid, msg.reply_to, detok, p, len(ids))
+        self.by_client[msg.client_rid] = rid
+        eos = [] if p.ignore_eos else list(self.bundle.eos_ids)
+        await self.scheduler.send(
+            SubmitRequests(reqs=[NewRequest(rid=rid, prompt_ids=ids, params=p, eos_ids=eos)])
+        )
+        return Accepted(client_rid=msg.client_rid, rid=rid, prompt_tokens=len(ids))
+
+    # ---- outputs -------------------------------------------------------------------------
+    async def _on_tokens(self, batch: TokenBatch) -> None:
+        out: dict[str, list[OutputChunk]] = {}
+        stop_now: list[int] = []
+        pos = 0
+        for rid, n, finish, cached in zip(batch.rids, batch.counts, batch.finish, batch.cached):
+            toks = batch.tokens[pos : pos + n]
+            first = pos
+            pos += n
+            st = self.streams.get(rid)
+            if st is None:
+                continue
+            if cached >= 0:
+                st.cached_tokens = cached
+            if st.stopped:
+                if finish:
+                    self._close(rid)
+                continue
+            delta = st.detok.push(toks) if toks else None
+            text = delta.text if delta else ""
+            st.completion_tokens += n
+            reason = None
+            matched = None
+            if delta is not None and delta.finished_by_stop is not None:
+                reason, matched = FINISH_STOP, delta.finished_by_stop
+                st.stopped = True
+                if not finish:
+                    stop_now.append(rid)
+            elif finish:
+                tail = st.detok.flush()
+                text += tail.text
+                reason = finish
+                if tail.finished_by_stop is not None:
+                    reason, matched = FINISH_STOP, tail.finished_by_stop
+            lps = (
+                self._logprobs(batch, first, toks) if st.params.logprobs and batch.logprobs else []
+            )
+            out.setdefault(st.reply_to, []).append(
+                OutputChunk(
+                    client_rid=st.client_rid,
+                    text=text,
+                    token_ids=list(toks),
+                    finish_reason=reason,
+                    prompt_tokens=st.prompt_tokens,
+                    completion_tokens=st.completion_tokens,
+                    cached_tokens=st.cached_tokens,
+                    logprobs=lps,
+                    stop_matched=matched,
+                )
+            )
+            if finish:
+                self._close(rid)
+        if stop_now:
+            await self.scheduler.send(EndRequests(rids=stop_now, reason=FINISH_STOP))
+        for dest, chunks in out.items():
+            await self.ref(dest).send(OutputBatch(chunks=chunks))
+
+    def _close(self, rid: int) -> None:
+        st = self.streams.pop(rid, None)
+        if st is not None:
+            self.by_client.pop(st.client_rid, None)
+
+    def _logprobs(self, batch: TokenBatch, first: int, toks: list[int]) -> list[TokenLogprob]:
+        dec = self.bundle.tokenizer.decode
+        res = []
+        for i, tok in enumerate(toks):
+            j = first + i
+            top = []
+            if batch.top_ids:
+                top = [
+                    (t, dec([t], skip_special_tokens=False), lp)
+                    for t, lp in zip(batch.top_ids[j], batch.top_logprobs[j])
+                ]
+            res.append(
+                TokenLogprob(
+                    token_id=tok,
+                    text=dec([tok], skip_special_tokens=False),
+                    logprob=batch.logprobs[j],
+                    top=top,
+                )
+            )
+        return res
+
+    def stats(self) -> dict[str, int | float]:
+        return {"live_streams": len(self.streams)}
+
+
+def _msg_dict(m) -> dict:
+    d = {"role": m.role, "content": m.content}
+    if m.name is not None:
+        d["name"] = m.name
+    return d
+
+
+def _replace(p: GenerationParams, **changes) -> GenerationParams:
+    import msgspec
+
+    return msgspec.structs.replace(p, **changes)

@@ -1,0 +1,78 @@
+"""Shared pieces of the end-to-end engine tests: configs, prompts, the balance check."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import textwrap
+
+from actors.engine import EngineConfig, ServingEngine
+
+
+def natural_text() -> str:
+    """A few thousand words of English from the standard library's docstrings."""
+    import argparse
+    import collections
+    import decimal
+    import email
+    import logging
+    import pathlib
+    import subprocess
+    import threading
+    import unittest
+
+    mods = [
+        argparse,
+        collections,
+        decimal,
+        email,
+        json,
+        logging,
+        os,
+        pathlib,
+        re,
+        subprocess,
+        textwrap,
+        threading,
+        unittest,
+    ]
+    docs = [m.__doc__ or "" for m in mods]
+    text = " ".join(" ".join(d.split()) for d in docs)
+    return text
+
+
+def small_config(**overrides) -> EngineConfig:
+    base = dict(
+        kv__num_pages=512,
+        kv__page_size=16,
+        kv__context_len=2048,
+        kv__max_rows=40,
+        scheduler__max_running_requests=32,
+        scheduler__max_batch_tokens=1024,
+        scheduler__chunk_size=256,
+        engine__debug_checks=True,
+    )
+    base.update(overrides)
+    return EngineConfig.load(**base)
+
+
+async def assert_balanced(eng: ServingEngine) -> None:
+    """Idle engine: no request holds KV; free + tree == total; invariants hold."""
+    stats = await eng.kv_stats(check_invariants=True)
+    assert stats.records == 0, f"{stats.records} request records left: {stats}"
+    assert stats.held_rows == 0 and stats.held_pages == 0, stats
+    assert stats.free_pages + stats.tree_pages == stats.total_pages, stats
+    assert stats.evictable_pages == stats.tree_pages, f"tree locks leaked: {stats}"
+
+
+def random_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    ids = tokenizer.encode(natural_text(), add_special_tokens=False)
+    out = []
+    for _ in range(n):
+        length = rng.randint(lo, hi)
+        start = rng.randrange(0, len(ids) - length)
+        out.append([tokenizer.bos_id] + ids[start : start + length - 1])
+    return out
