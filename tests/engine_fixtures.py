@@ -2,45 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import re
-import textwrap
 
+from actors.bench_engine import natural_text
 from actors.engine import EngineConfig, ServingEngine
-
-
-def natural_text() -> str:
-    """A few thousand words of English from the standard library's docstrings."""
-    import argparse
-    import collections
-    import decimal
-    import email
-    import logging
-    import pathlib
-    import subprocess
-    import threading
-    import unittest
-
-    mods = [
-        argparse,
-        collections,
-        decimal,
-        email,
-        json,
-        logging,
-        os,
-        pathlib,
-        re,
-        subprocess,
-        textwrap,
-        threading,
-        unittest,
-    ]
-    docs = [m.__doc__ or "" for m in mods]
-    text = " ".join(" ".join(d.split()) for d in docs)
-    return text
 
 
 def small_config(**overrides) -> EngineConfig:
