@@ -1,0 +1,547 @@
+"""Batched per-request token sampling.
+
+Owns the step from float32 logits [B, V] to one token per request, with each request's own
+``SamplingParams`` and state (seeded generator, penalty counts). Semantics follow vLLM/OpenAI:
+
+1. penalties (in place on ``logits``): repetition_penalty over prompt + output tokens (divide a
+   positive logit, multiply a negative one), then ``frequency_penalty * count`` and
+   ``presence_penalty`` (once) over output tokens;
+2. greedy requests (temperature == 0) take the argmax of the penalised logits;
+3. otherwise: temperature, then top-k, then top-p over the top-k distribution (the smallest
+   prefix of the sorted distribution whose mass reaches top_p; the top token is always kept),
+   then min-p (drop tokens with prob < min_p * max_prob), then one draw from the request's
+   generator.
+
+Choices worth knowing:
+
+- Truncation is by value threshold: every token whose probability equals the cut-off value is
+  kept (so top-k may keep more than k tokens when values tie, as vLLM does).
+- The draw is an inverse-CDF draw over the kept tokens in vocabulary order, using exactly one
+  uniform from the request's generator per sampled step (none for greedy steps). Every step that
+  involves a request is computed with row-wise operations whose result does not depend on the
+  other rows, so a request's tokens depend only on its seed and its own logits, never on the
+  batch it rides in.
+- Logprobs are those of the model distribution after penalties and before temperature,
+  top-k/top-p/min-p (``log_softmax`` of the penalised logits), as vLLM/OpenAI report them.
+- ``sample`` applies the penalties to the ``logits`` tensor it is given, in place (the caller
+  hands over a fresh tensor; no [B, V] copy is made for them). It runs under inference mode,
+  so logits produced under inference mode are accepted.
+- Tokens whose probability relative to the top token is below exp(-87) (~1.6e-38, subnormal
+  in float32) get weight exactly 0: subnormal arithmetic would slow every pass tens of times.
+- Penalty state is sparse: per request, a dict + numpy arrays of distinct token ids and counts;
+  each step gathers them into one flat index over [B, V] (no dense [B, V] state).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+MAX_TOP_LOGPROBS = 20
+# First candidate count tried when a top-p row has no top-k; grows x16 (then to the whole
+# vocabulary) until the nucleus fits.
+TOP_P_FIRST_CANDIDATES = 256
+SUBNORMAL_LOG_FLOOR = -87.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = -1  # -1 (or 0) = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first out-of-range (or mistyped) field.
+
+        Mistyped fields raise ValueError too, so callers map every bad field to one error.
+        """
+        _require_real("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= 1e4:
+            raise ValueError(
+                f"temperature must be in [0, 1e4] (0 = greedy), got {self.temperature}")
+        _require_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        _require_real("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _require_real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+            if not 0 <= self.seed < 2**64:
+                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        _require_real("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _require_real(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")  # noqa: TRY004
+        _require_int("top_logprobs", self.top_logprobs)
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("top_logprobs > 0 requires logprobs=True")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1.0
+
+
+def _require_real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _require_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")  # noqa: TRY004
+
+
+class _GrowableIds:
+    """Distinct token ids (insertion order) with an int64 count each, viewable as numpy."""
+
+    def __init__(self, initial: np.ndarray | None = None) -> None:
+        ids = np.unique(initial) if initial is not None and initial.size else np.empty(0, np.int64)
+        capacity = max(16, 2 * ids.size)
+        self.ids = np.zeros(capacity, np.int64)
+        self.counts = np.zeros(capacity, np.int64)
+        self.size = ids.size
+        self.ids[: self.size] = ids
+        self.counts[: self.size] = 1
+        self.slot = {int(t): i for i, t in enumerate(ids)}
+
+    def add(self, token: int) -> None:
+        slot = self.slot.get(token)
+        if slot is None:
+            if self.size == self.ids.size:
+                self.ids = np.resize(self.ids, 2 * self.size)
+                self.counts = np.resize(self.counts, 2 * self.size)
+            slot = self.size
+            self.slot[token] = slot
+            self.ids[slot] = token
+            self.counts[slot] = 0
+            self.size += 1
+        self.counts[slot] += 1
+
+    def view_ids(self) -> np.ndarray:
+        return self.ids[: self.size]
+
+    def view_counts(self) -> np.ndarray:
+        return self.counts[: self.size]
+
+
+class SamplerState:
+    """What the sampler keeps for one request between steps.
+
+    Invariant: ``output`` counts every token this sampler emitted for the request (only kept
+    when the request has penalties); ``seen`` holds the distinct ids of prompt + output (only
+    kept when repetition_penalty != 1).
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int]) -> None:
+        self.params = params
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.num_sampled = 0
+        self.output: _GrowableIds | None = None
+        self.seen: _GrowableIds | None = None
+        if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+            self.output = _GrowableIds()
+        if params.repetition_penalty != 1.0:
+            prompt = np.asarray(prompt_ids, dtype=np.int64)
+            if prompt.size and prompt.min() < 0:
+                raise ValueError("prompt token ids must be non-negative")
+            self.seen = _GrowableIds(prompt)
+
+    def record(self, token: int) -> None:
+        self.num_sampled += 1
+        if self.output is not None:
+            self.output.add(token)
+        if self.seen is not None and token not in self.seen.slot:
+            self.seen.add(token)
+
+    def next_uniform(self) -> float:
+        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    # Per row: log-prob of the chosen token, None for rows that did not ask; None if no row did.
+    logprobs: list[float | None] | None = None
+    # Per row: (token, log-prob) best first, [] for rows that did not ask; None if no row did.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Sampler:
+    """Samples one token per request for a batch of logits rows, one call per step.
+
+    ``num_threads``: torch intra-op threads while sampling (None = leave the process setting).
+    The work is a handful of memory-bound passes; on a busy 2-core box one thread avoids
+    OpenMP barrier stalls that cost ~40 ms per step at B=1 (see kernels/bench_lm_head.py).
+    """
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
+        self.num_threads = num_threads
+        self._states: dict[int, SamplerState] = {}
+        # Reused [rows, V] float32 buffers: fresh 32 MiB tensors page-fault on every step.
+        self._probs_buf = torch.empty(0)
+        self._cdf_buf = torch.empty(0)
+        self._mask_buf = torch.empty(0, dtype=torch.bool)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._states
+
+    def add_request(self, rid: int, params: SamplingParams, prompt_ids: list[int]) -> None:
+        if rid in self._states:
+            raise ValueError(f"request {rid} is already registered with the sampler")
+        params.validate()
+        self._states[rid] = SamplerState(params, prompt_ids)
+
+    def remove_request(self, rid: int) -> None:
+        self._states.pop(rid, None)
+
+    def state(self, rid: int) -> SamplerState:
+        return self._states[rid]
+
+    def sample(self, rids: list[int], logits: Tensor) -> SampleOutput:
+        """One token per row of ``logits`` [B, V] for the requests ``rids`` (row order).
+
+        Penalties are applied to ``logits`` in place (to its float32 CPU copy when it is not
+        already a contiguous float32 CPU tensor). Each chosen token is recorded into its
+        request's state.
+        """
+        if self.num_threads is None:
+            return self._sample(rids, logits)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.num_threads)
+        try:
+            return self._sample(rids, logits)
+        finally:
+            torch.set_num_threads(previous)
+
+    @torch.inference_mode()  # also lets penalties edit logits made under inference mode
+    def _sample(self, rids: list[int], logits: Tensor) -> SampleOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rids):
+            raise ValueError(f"logits must be [len(rids)={len(rids)}, V], got "
+                             f"{tuple(logits.shape)}")
+        if len(set(rids)) != len(rids):
+            raise ValueError("a request may appear only once per sampling batch")
+        missing = [rid for rid in rids if rid not in self._states]
+        if missing:
+            raise KeyError(f"requests not registered with the sampler: {missing}")
+        if logits.device.type != "cpu":
+            logits = logits.float().cpu()  # this sampler computes on the CPU
+        if logits.dtype != torch.float32 or not logits.is_contiguous():
+            logits = logits.float().contiguous()
+        states = [self._states[rid] for rid in rids]
+        if not rids:
+            return SampleOutput(tokens=[])
+        params = [s.params for s in states]
+
+        if any(p.has_penalties for p in params):
+            self._apply_penalties(states, logits)
+
+        tokens = torch.empty(len(rids), dtype=torch.int64)
+        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if greedy_rows:
+            # numpy's argmax (first maximal index, like torch's) is 3-5x faster here.
+            tokens[greedy_rows] = torch.from_numpy(
+                _take_rows(logits, greedy_rows).numpy().argmax(axis=-1))
+        if sampled_rows:
+            tokens[sampled_rows] = self._sample_rows(logits, sampled_rows, states)
+
+        output = SampleOutput(tokens=tokens.tolist())
+        if any(p.logprobs for p in params):
+            scratch = self._workspace(sum(p.logprobs for p in params), logits.shape[1])[0]
+            output.logprobs, output.top_logprobs = _logprobs(logits, tokens, params, scratch)
+        for state, token in zip(states, output.tokens):
+            state.record(token)
+        return output
+
+    # --- penalties ------------------------------------------------------------------------
+
+    def _apply_penalties(self, states: list[SamplerState], logits: Tensor) -> None:
+        vocab = logits.shape[1]
+        flat = logits.view(-1)
+        rep_index: list[np.ndarray] = []
+        rep_factor: list[np.ndarray] = []
+        add_index: list[np.ndarray] = []
+        add_delta: list[np.ndarray] = []
+        for row, state in enumerate(states):
+            p = state.params
+            if state.seen is not None and state.seen.size:
+                ids = state.seen.view_ids()
+                _check_ids(ids, vocab)
+                rep_index.append(ids + row * vocab)
+                rep_factor.append(np.full(ids.size, p.repetition_penalty, np.float32))
+            if state.output is not None and state.output.size:
+                ids, counts = state.output.view_ids(), state.output.view_counts()
+                _check_ids(ids, vocab)
+                add_index.append(ids + row * vocab)
+                add_delta.append((-(p.frequency_penalty * counts + p.presence_penalty))
+                                 .astype(np.float32))
+        if rep_index:
+            index = torch.from_numpy(np.concatenate(rep_index))
+            factor = torch.from_numpy(np.concatenate(rep_factor))
+            values = flat[index]
+            flat[index] = torch.where(values > 0, values / factor, values * factor)
+        if add_index:
+            index = torch.from_numpy(np.concatenate(add_index))
+            flat.index_add_(0, index, torch.from_numpy(np.concatenate(add_delta)))
+
+    # --- stochastic rows ------------------------------------------------------------------
+
+    def _workspace(self, rows: int, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+        if self._probs_buf.shape[0] < rows or self._probs_buf.shape[1:] != (vocab,):
+            capacity = max(rows, self._probs_buf.shape[0] if self._probs_buf.dim() == 2 else 0)
+            self._probs_buf = torch.empty(capacity, vocab)
+            self._cdf_buf = torch.empty(capacity, vocab)
+            self._mask_buf = torch.empty(capacity, vocab, dtype=torch.bool)
+        return self._probs_buf[:rows], self._cdf_buf[:rows], self._mask_buf[:rows]
+
+    def _sample_rows(self, logits: Tensor, rows: list[int],
+                     states: list[SamplerState]) -> Tensor:
+        vocab = logits.shape[1]
+        params = [states[i].params for i in rows]
+        weights, cdf, mask = self._workspace(len(rows), vocab)
+        temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        if len(rows) == logits.shape[0]:
+            torch.div(logits, temperature, out=weights)
+        else:
+            torch.index_select(logits, 0, torch.tensor(rows), out=weights)
+            weights.div_(temperature)
+        # weights = exp(x - rowmax): the top token weighs exactly 1, so p / p_max == weight.
+        # Weights below exp(-87) (~1.6e-38, subnormal in float32) are flushed to exactly 0:
+        # subnormals make every later pass tens of times slower on x86.
+        weights.sub_(weights.amax(dim=-1, keepdim=True))
+        F.threshold_(weights, SUBNORMAL_LOG_FLOOR, -math.inf)
+        weights.exp_()
+
+        # Per row, the smallest weight that survives min-p, top-k and top-p, and (where top-k
+        # or top-p fetched them) the largest weights with their token ids.
+        threshold = np.array([p.min_p for p in params], dtype=np.float32)
+        candidates: dict[int, _Candidates] = {}
+        by_top_k = [j for j, p in enumerate(params) if p.uses_top_k]
+        if by_top_k:
+            cuts, fetched = _top_k_cuts(_take_rows(weights, by_top_k),
+                                        [params[j] for j in by_top_k])
+            threshold[by_top_k] = np.maximum(threshold[by_top_k], cuts)
+            candidates.update(zip(by_top_k, fetched))
+        by_top_p_only = [j for j, p in enumerate(params) if p.uses_top_p and not p.uses_top_k]
+        if by_top_p_only:
+            cuts, fetched = _top_p_cuts(_take_rows(weights, by_top_p_only),
+                                        [params[j] for j in by_top_p_only], scratch=cdf)
+            threshold[by_top_p_only] = np.maximum(threshold[by_top_p_only], cuts)
+            candidates.update((j, c) for j, c in zip(by_top_p_only, fetched) if c is not None)
+
+        uniforms = [states[i].next_uniform() for i in rows]
+        chosen = torch.empty(len(rows), dtype=torch.int64)
+        # Rows whose kept set lies inside the fetched candidates skip the full-vocabulary passes;
+        # both paths compute the same float32 CDF over kept tokens in vocabulary order.
+        full_rows = []
+        for j in range(len(rows)):
+            fetched = candidates.get(j)
+            if fetched is not None and fetched.values[-1] < threshold[j]:
+                chosen[j] = fetched.draw(float(threshold[j]), uniforms[j])
+            else:
+                full_rows.append(j)
+        if full_rows:
+            chosen[full_rows] = _draw_full(
+                _take_rows(weights, full_rows), torch.from_numpy(threshold[full_rows]),
+                torch.tensor([uniforms[j] for j in full_rows], dtype=torch.float64),
+                cdf[: len(full_rows)], mask[: len(full_rows)])
+        return chosen
+
+
+def _draw_full(weights: Tensor, threshold: Tensor, uniforms: Tensor, cdf: Tensor,
+               mask: Tensor) -> Tensor:
+    """Inverse-CDF draw per row over every weight >= its threshold (``weights`` is edited)."""
+    if bool((threshold > 0).any()):
+        torch.lt(weights, threshold.unsqueeze(1), out=mask)
+        weights.masked_fill_(mask, 0.0)
+    torch.cumsum(weights, dim=-1, out=cdf)  # per row, sequential, accumulated in float64
+    targets = (uniforms * cdf[:, -1].double()).to(torch.float32).unsqueeze(1)
+    chosen = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    # u * total can round up to total itself; then take the last token with weight.
+    for j in (chosen >= weights.shape[1]).nonzero().flatten().tolist():
+        chosen[j] = int(weights[j].nonzero().max())
+    return chosen
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """One row's largest weights (descending) and their token ids."""
+
+    values: np.ndarray
+    ids: np.ndarray
+
+    def draw(self, threshold: float, uniform: float) -> int:
+        """The token ``_draw_full`` would pick, given every kept weight is a candidate."""
+        kept = self.values >= threshold
+        ids = self.ids[kept]
+        order = np.argsort(ids)
+        ids = ids[order]
+        # Same accumulation as torch.cumsum on float32 (float64 accumulator, float32 result).
+        cdf = np.cumsum(self.values[kept][order], dtype=np.float64).astype(np.float32)
+        target = np.float32(uniform * np.float64(cdf[-1]))
+        position = int(np.searchsorted(cdf, target, side="right"))
+        if position >= ids.size:
+            position = int(np.nonzero(self.values[kept][order] > 0)[0].max())
+        return int(ids[position])
+
+
+# Truncation works by value on weights whose row maximum is exactly 1: top-k keeps every
+# weight >= the k-th largest (ties included); top-p ranks the top-k-kept multiset by weight and
+# keeps every weight >= the weight at the first rank whose inclusive mass reaches top_p of the
+# kept mass. Only sorted candidate values are used (never their order among ties), every
+# reduction is per row and sequential, and the candidate count only bounds the search, so a
+# row's cut-off does not depend on which other rows share the batch.
+
+def _top_k_cuts(matrix: Tensor, params: list[SamplingParams]
+                ) -> tuple[np.ndarray, list[_Candidates]]:
+    """Per row of ``matrix``: the top-k cut-off (raised to the top-p one where top_p < 1)."""
+    vocab = matrix.shape[1]
+    k = np.array([min(p.top_k, vocab) for p in params])
+    # One candidate past the largest k: a row whose last candidate is below its cut-off has
+    # every kept weight among its candidates.
+    count = min(vocab, int(k.max()) + 1)
+    best = torch.topk(matrix, count, dim=-1, sorted=True)
+    values, ids = best.values.numpy(), best.indices.numpy()
+    fetched = [_Candidates(values[slot], ids[slot]) for slot in range(len(params))]
+    slots = np.arange(len(params))
+    k_cut = values[slots, k - 1]
+    cuts = k_cut.copy()
+    wants_top_p = [slot for slot, p in enumerate(params) if p.uses_top_p]
+    if not wants_top_p:
+        return cuts, fetched
+    # Weights tied with the k-th may run past the fetched candidates: count them in full.
+    # (numpy: torch's bool reductions are ~10x slower than this single-threaded count.)
+    kept = np.count_nonzero(matrix.numpy() >= k_cut[:, None], axis=-1)
+    fetched_above = np.count_nonzero(values > k_cut[:, None], axis=-1)
+    inclusive = np.cumsum(values, axis=-1, dtype=np.float64)
+    mass_above = np.where(fetched_above > 0, inclusive[slots, np.maximum(fetched_above, 1) - 1],
+                          0.0)
+    total = mass_above + (kept - fetched_above) * k_cut.astype(np.float64)
+    for slot in wants_top_p:
+        # Ranks past ``kept`` are outside the top-k set; ranks past ``count`` all weigh k_cut.
+        searchable = min(count, int(kept[slot]))
+        rank = int(np.searchsorted(inclusive[slot, :searchable],
+                                   params[slot].top_p * total[slot]))
+        if rank < searchable:
+            cuts[slot] = max(cuts[slot], values[slot, rank])
+    return cuts, fetched
+
+
+def _top_p_cuts(matrix: Tensor, params: list[SamplingParams], scratch: Tensor
+                ) -> tuple[np.ndarray, list[_Candidates | None]]:
+    """Per row of ``matrix`` (no top-k): the top-p cut-off, fetching more candidates as needed."""
+    rows, vocab = matrix.shape
+    # Row totals from a per-row sequential cumsum (its last column): batch-invariant rounding.
+    torch.cumsum(matrix, dim=-1, out=scratch[:rows])
+    targets = (scratch[:rows, -1].double().numpy()
+               * np.array([p.top_p for p in params], dtype=np.float64))
+    cuts = np.zeros(rows, dtype=np.float32)
+    fetched: list[_Candidates | None] = [None] * rows
+    pending = list(range(rows))
+    count = min(vocab, TOP_P_FIRST_CANDIDATES)
+    while pending:
+        subset = _take_rows(matrix, pending)
+        if count >= vocab:  # numpy's SIMD sort of bare values is ~5x faster than torch.sort
+            values, ids = -np.sort(-subset.numpy(), axis=-1), None
+        else:
+            best = torch.topk(subset, count, dim=-1, sorted=True)
+            values, ids = best.values.numpy(), best.indices.numpy()
+        inclusive = np.cumsum(values, axis=-1, dtype=np.float64)
+        still_pending = []
+        for slot, row in enumerate(pending):
+            rank = int(np.searchsorted(inclusive[slot], targets[row]))
+            if rank >= count and count < vocab:
+                still_pending.append(row)  # the nucleus reaches past the candidates
+                continue
+            cuts[row] = values[slot, min(rank, count - 1)]
+            if ids is not None:
+                fetched[row] = _Candidates(values[slot], ids[slot])
+        pending = still_pending
+        count = vocab if count * 16 >= vocab // 4 else count * 16
+    return cuts, fetched
+
+
+def _logprobs(logits: Tensor, tokens: Tensor, params: list[SamplingParams], scratch: Tensor
+              ) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
+    """Log-probs under log_softmax(logits) for the rows that asked (``scratch``: [rows, V])."""
+    rows = [i for i, p in enumerate(params) if p.logprobs]
+    chosen_logprobs: list[float | None] = [None] * len(params)
+    top: list[list[tuple[int, float]]] = [[] for _ in params]
+    selected = _take_rows(logits, rows)
+    # logsumexp by hand into reused memory, subnormals flushed: ~3x faster than torch's.
+    row_max = selected.amax(dim=-1, keepdim=True)
+    torch.sub(selected, row_max, out=scratch)
+    F.threshold_(scratch, SUBNORMAL_LOG_FLOOR, -math.inf)
+    mass = scratch.exp_().sum(dim=-1).double()
+    log_normalizer = (row_max.squeeze(1).double() + mass.log()).float()
+    chosen = selected.gather(1, tokens[rows].unsqueeze(1)).squeeze(1) - log_normalizer
+    for slot, i in enumerate(rows):
+        chosen_logprobs[i] = float(chosen[slot])
+    widest = min(max(params[i].top_logprobs for i in rows), logits.shape[1])
+    if widest > 0:
+        best = torch.topk(selected, widest, dim=-1, sorted=True)
+        best_logprobs = (best.values - log_normalizer.unsqueeze(1)).tolist()
+        best_ids = best.indices.tolist()
+        for slot, i in enumerate(rows):
+            n = params[i].top_logprobs
+            top[i] = list(zip(best_ids[slot][:n], best_logprobs[slot][:n]))
+    return chosen_logprobs, top
+
+
+def _take_rows(matrix: Tensor, rows: list[int]) -> Tensor:
+    """The listed rows of ``matrix``: the tensor itself when that is every row, else a copy."""
+    if rows == list(range(matrix.shape[0])):
+        return matrix
+    return matrix.index_select(0, torch.tensor(rows, dtype=torch.int64))
+
+
+def _check_ids(ids: np.ndarray, vocab: int) -> None:
+    if ids.size and int(ids.max()) >= vocab:
+        raise ValueError(f"token id {int(ids.max())} is outside the vocabulary of {vocab}")

@@ -1,0 +1,91 @@
+"""Stand-ins for the model runner and tokenizer, for scheduler tests without a model.
+
+`FakeRunner` is a real actor behind a real socket that plays the model: it keeps a
+replica of the req-to-token table from the slot deltas, "writes KV" by recording
+(token, position) per slot, and checks on every forward that each request's row
+points at slots holding exactly that request's tokens at those positions (prefix
+hits included). Its next token is a deterministic function of the request's
+tokens, so outputs are reproducible across batchings, retractions and evictions.
+`SinkTokenizer` collects the scheduler's TokenBatch messages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actors.runtime import Actor
+from transport.messages.engine import TokenBatch
+from transport.messages.runner import ForwardBatchMsg, StepResultMsg
+
+
+def next_token(tokens: list[int]) -> int:
+    h = 7
+    for t in tokens[-4:]:
+        h = (h * 131 + t) % 1_000_003
+    return 100 + (h + len(tokens)) % 900
+
+
+class FakeRunner(Actor):
+    inbox = ForwardBatchMsg
+
+    def __init__(self, num_slots: int, max_rows: int, row_capacity: int) -> None:
+        self.table = np.zeros((max_rows + 1, row_capacity), dtype=np.int64)
+        self.slot_token = np.full(num_slots, -1, dtype=np.int64)
+        self.slot_pos = np.full(num_slots, -1, dtype=np.int64)
+        self.prompts: dict[int, list[int]] = {}  # set by the test before submitting
+        self.generated: dict[int, list[int]] = {}
+        self.batches: list[ForwardBatchMsg] = []
+
+    async def handle(self, msg: ForwardBatchMsg, sender):
+        self.batches.append(msg)
+        d = msg.deltas
+        off = 0
+        for row, start, n in zip(d.rows, d.starts, d.lengths):
+            self.table[row, start : start + n] = d.slots[off : off + n]
+            off += n
+        rids, toks = [], []
+        pos = 0
+        for rid, row, prefix, n, need in zip(
+            msg.rids, msg.rows, msg.prefix_lens, msg.extend_lens, msg.need_logits
+        ):
+            ids = list(msg.input_ids[pos : pos + n])
+            pos += n
+            expected = self.prompts[rid] + self.generated.setdefault(rid, [])
+            assert ids == expected[prefix : prefix + n], f"rid {rid}: fed the wrong tokens"
+            slots = self.table[row, prefix : prefix + n]
+            assert (slots >= 1).all(), f"rid {rid}: unset slots {slots}"
+            self.slot_token[slots] = ids
+            self.slot_pos[slots] = np.arange(prefix, prefix + n)
+            every = self.table[row, : prefix + n]
+            assert (self.slot_pos[every] == np.arange(prefix + n)).all(), f"rid {rid}: positions"
+            assert (self.slot_token[every] == expected[: prefix + n]).all(), (
+                f"rid {rid}: foreign KV"
+            )
+            if need:
+                tok = next_token(expected[: prefix + n])
+                self.generated[rid].append(tok)
+                rids.append(rid)
+                toks.append(tok)
+        return StepResultMsg(step=msg.step, rids=rids, tokens=toks)
+
+
+class SinkTokenizer(Actor):
+    inbox = TokenBatch
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, list[int]] = {}
+        self.finish: dict[int, str] = {}
+        self.cached: dict[int, int] = {}
+        self.batches = 0
+
+    async def handle(self, msg: TokenBatch, sender):
+        self.batches += 1
+        pos = 0
+        for rid, n, fin, cached in zip(msg.rids, msg.counts, msg.finish, msg.cached):
+            self.outputs.setdefault(rid, []).extend(msg.tokens[pos : pos + n])
+            pos += n
+            if cached >= 0:
+                self.cached[rid] = cached
+            if fin:
+                self.finish[rid] = fin
+        return None

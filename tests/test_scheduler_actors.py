@@ -1,0 +1,250 @@
+"""The scheduler with the real allocator and radix actors, and a fake model runner.
+
+Fast, model-free checks of scheduling: every forward batch is verified by the
+fake runner against a shadow KV store (rows must point at slots holding the
+request's own tokens), outputs must not depend on pool size (retraction and
+eviction are invisible), chunked prefill respects the chunk size, aborts land
+at any stage, LPM orders by cached prefix, and the invariant checker runs
+inside the allocator after every message.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+from actors.supervisor import ActorSpec, Engine
+from tests.fake_engine_actors import FakeRunner, SinkTokenizer
+from transport.messages.alloc import KvStats, KvStatsRequest
+from transport.messages.engine import (
+    EndRequests,
+    GenerationParams,
+    NewRequest,
+    SchedulerStats,
+    SchedulerStatsRequest,
+    SubmitRequests,
+)
+
+EOS = 5
+
+
+class Harness:
+    def __init__(self, num_pages, page_size, rows=32, capacity=256, **sched):
+        self.runner = FakeRunner((num_pages + 1) * page_size, rows, capacity)
+        self.sink = SinkTokenizer()
+        kv = dict(num_pages=num_pages, page_size=page_size, max_rows=rows, row_capacity=capacity)
+        sched_kw = dict(page_size=page_size, row_capacity=capacity, max_running_requests=rows)
+        sched_kw.update(sched)
+        self.specs = [
+            ActorSpec("radix", "actors.radix_cache:RadixCacheActor", {"page_size": page_size}),
+            ActorSpec(
+                "allocator", "actors.allocator.actor:AllocatorActor", {**kv, "debug_checks": True}
+            ),
+            ActorSpec("scheduler", "actors.scheduler:SchedulerActor", sched_kw),
+            ActorSpec("runner", lambda: self.runner),
+            ActorSpec("tokenizer", lambda: self.sink),
+        ]
+
+    async def __aenter__(self):
+        self.engine = Engine(self.specs, transport="inproc")
+        await self.engine.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.engine.__aexit__(*exc)
+
+    async def submit(self, prompts: dict[int, list[int]], params: GenerationParams, eos=(EOS,)):
+        self.runner.prompts.update(prompts)
+        reqs = [
+            NewRequest(rid=r, prompt_ids=p, params=params, eos_ids=list(eos))
+            for r, p in prompts.items()
+        ]
+        await self.engine.ref("scheduler").send(SubmitRequests(reqs=reqs))
+
+    async def end(self, rids, reason="abort"):
+        await self.engine.ref("scheduler").send(EndRequests(rids=rids, reason=reason))
+
+    async def wait_done(self, rids, timeout=60):
+        with anyio.fail_after(timeout):
+            while not all(r in self.sink.finish for r in rids):
+                await anyio.sleep(0.01)
+
+    async def stats(self):
+        s = await self.engine.ref("scheduler").call(SchedulerStatsRequest(), expect=SchedulerStats)
+        kv = await self.engine.ref("allocator").call(
+            KvStatsRequest(check_invariants=True), expect=KvStats
+        )
+        return s, kv
+
+    async def assert_idle_balanced(self):
+        with anyio.fail_after(10):
+            while True:
+                s, kv = await self.stats()
+                if s.waiting == s.running == s.prefilling == 0:
+                    break
+                await anyio.sleep(0.01)
+        assert kv.records == 0 and kv.held_pages == 0 and kv.held_rows == 0, kv
+        assert kv.free_pages + kv.tree_pages == kv.total_pages
+        assert kv.evictable_pages == kv.tree_pages
+        return s, kv
+
+
+def make_prompts(n, seed, shared=40):
+    rng = random.Random(seed)
+    base = [rng.randrange(100, 1000) for _ in range(shared)]
+    return {
+        i + 1: base[: rng.randrange(0, shared)]
+        + [rng.randrange(100, 1000) for _ in range(rng.randrange(1, 30))]
+        for i in range(n)
+    }
+
+
+def run(coro_fn, *args):
+    return anyio.run(coro_fn, *args)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_outputs_do_not_depend_on_pool_size(page_size):
+    prompts = make_prompts(40, seed=page_size)
+    params = GenerationParams(max_tokens=16, ignore_eos=True)
+
+    async def go(num_pages):
+        async with Harness(
+            num_pages,
+            page_size,
+            chunk_size=16,
+            max_batch_tokens=64,
+            new_token_ratio=0.0,
+            min_new_token_ratio=0.0,
+        ) as h:
+            await h.submit(prompts, params)
+            await h.wait_done(prompts)
+            s, kv = await h.assert_idle_balanced()
+            return dict(h.sink.outputs), s, kv
+
+    roomy, s1, _ = run(go, 4000 // page_size)
+    tight, s2, kv2 = run(go, 160 // page_size)
+    assert s1.retractions == 0
+    assert s2.retractions > 0 and kv2.evicted_pages > 0
+    assert tight == roomy
+    assert all(len(v) == 16 for v in roomy.values())
+
+
+def test_chunked_prefill_respects_chunk_and_budget():
+    prompts = {1: list(range(100, 300)), 2: list(range(300, 420))}
+
+    async def go():
+        async with Harness(400, 4, chunk_size=32, max_batch_tokens=48) as h:
+            await h.submit(prompts, GenerationParams(max_tokens=4, ignore_eos=True))
+            await h.wait_done(prompts)
+            await h.assert_idle_balanced()
+            for b in h.runner.batches:
+                assert sum(b.extend_lens) <= 48
+                assert max(b.extend_lens) <= 32
+            return h.sink.outputs
+
+    out = run(go)
+    assert [len(v) for v in out.values()] == [4, 4]
+
+
+def test_eos_min_tokens_and_stop_ids():
+    async def go():
+        async with Harness(200, 1) as h:
+            p = {1: [10, 11, 12]}
+            await h.submit(p, GenerationParams(max_tokens=30, ignore_eos=True))
+            await h.wait_done(p)
+            seq = h.sink.outputs[1]
+            # The 4th token becomes a stop id: output ends right there, finish "stop".
+            await h.submit(
+                {2: [10, 11, 12]}, GenerationParams(max_tokens=30, stop_token_ids=[seq[3]])
+            )
+            # With min_tokens past it, the stop id is ignored until then.
+            await h.submit(
+                {3: [10, 11, 12]},
+                GenerationParams(max_tokens=30, min_tokens=6, stop_token_ids=[seq[3]]),
+            )
+            # The model's EOS id stops unless ignore_eos.
+            await h.submit({4: [10, 11, 12]}, GenerationParams(max_tokens=30), eos=(seq[1],))
+            await h.wait_done([2, 3, 4])
+            await h.assert_idle_balanced()
+            return seq, h.sink
+
+    seq, sink = run(go)
+    assert sink.outputs[2] == seq[:4] and sink.finish[2] == "stop"
+    assert sink.outputs[3] == seq[:30] and sink.finish[3] == "length"  # seq[3] not seen again
+    assert sink.outputs[4] == seq[:2] and sink.finish[4] == "stop"
+
+
+def test_abort_waiting_prefilling_and_decoding():
+    async def go():
+        async with Harness(300, 4, chunk_size=8, max_batch_tokens=12, max_running_requests=2) as h:
+            long = {1: list(range(100, 260))}  # 20 chunks of 8
+            await h.submit(long, GenerationParams(max_tokens=50, ignore_eos=True))
+            dec = {2: [7, 8, 9]}
+            await h.submit(dec, GenerationParams(max_tokens=200, ignore_eos=True))
+            waiting = {3: [1, 2, 3], 4: [4, 5, 6]}
+            await h.submit(waiting, GenerationParams(max_tokens=5, ignore_eos=True))
+            await anyio.sleep(0.05)
+            s, _ = await h.stats()
+            assert s.prefilling + s.running >= 1 and s.waiting >= 1
+            await h.end([1, 3])  # mid prefill, and waiting
+            with anyio.fail_after(10):
+                while len(h.sink.outputs.get(2, [])) < 5:
+                    await anyio.sleep(0.01)
+            await h.end([2])  # decoding
+            await h.wait_done([1, 2, 3, 4])
+            s, kv = await h.assert_idle_balanced()
+            assert kv.aborted >= 2
+            return h.sink
+
+    sink = run(go)
+    assert sink.finish[1] == sink.finish[2] == sink.finish[3] == "abort"
+    assert sink.finish[4] == "length" and len(sink.outputs[4]) == 5
+    assert sink.outputs.get(3, []) == []
+
+
+def test_lpm_prefers_cached_prefixes():
+    shared = list(range(500, 564))
+
+    async def go():
+        async with Harness(400, 4, policy="lpm", max_running_requests=1, max_batch_tokens=256) as h:
+            await h.submit({1: shared + [1]}, GenerationParams(max_tokens=2, ignore_eos=True))
+            await h.wait_done([1])
+            # Occupy the only running slot, then queue a cold and a warm request.
+            await h.submit({2: [9] * 10}, GenerationParams(max_tokens=30, ignore_eos=True))
+            await anyio.sleep(0.02)
+            await h.submit({3: [7, 7, 7, 7, 7, 7]}, GenerationParams(max_tokens=2, ignore_eos=True))
+            await h.submit({4: shared + [2]}, GenerationParams(max_tokens=2, ignore_eos=True))
+            await h.wait_done([2, 3, 4])
+            await h.assert_idle_balanced()
+            order = [
+                b.rids[-1] for b in h.runner.batches if b.need_logits and 3 in b.rids or 4 in b.rids
+            ]
+            first_seen = {
+                r: next(i for i, b in enumerate(h.runner.batches) if r in b.rids) for r in (3, 4)
+            }
+            return first_seen, h.sink
+
+    first_seen, sink = run(go)
+    assert first_seen[4] < first_seen[3]
+    assert sink.cached[4] == 64
+
+
+def test_pure_decode_steps_cost_three_messages_at_any_batch_size():
+    async def go(n):
+        async with Harness(400, 4) as h:
+            prompts = {i + 1: [10 + i, 11, 12] for i in range(n)}
+            await h.submit(prompts, GenerationParams(max_tokens=20, ignore_eos=True))
+            await h.wait_done(prompts)
+            s, _ = await h.assert_idle_balanced()
+            runner_calls = len(h.runner.batches)
+            return s, runner_calls, h.sink.batches
+
+    for n in (1, 16):
+        s, runner_calls, token_batches = run(go, n)
+        assert s.pure_decode_steps >= 10
+        assert s.pure_decode_messages == 3 * s.pure_decode_steps
+        assert runner_calls == s.steps  # one forward message per step
+        assert token_batches == s.steps  # one token report per step
