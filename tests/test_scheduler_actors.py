@@ -219,9 +219,6 @@ def test_lpm_prefers_cached_prefixes():
             await h.submit({4: shared + [2]}, GenerationParams(max_tokens=2, ignore_eos=True))
             await h.wait_done([2, 3, 4])
             await h.assert_idle_balanced()
-            order = [
-                b.rids[-1] for b in h.runner.batches if b.need_logits and 3 in b.rids or 4 in b.rids
-            ]
             first_seen = {
                 r: next(i for i, b in enumerate(h.runner.batches) if r in b.rids) for r in (3, 4)
             }
