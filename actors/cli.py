@@ -132,6 +132,7 @@ async def _serve(args) -> int:
             file=sys.stderr,
             flush=True,
         )
+        crash = None  # stays None when a signal, not a crash, ends the serve loop
         async with anyio.create_task_group() as tg:
 
             async def on_signal() -> None:

@@ -1,16 +1,19 @@
 """The model runner actor: weights, KV tensors, the req-to-token replica, forward + sampling.
 
-One `ForwardBatchMsg` in, one `StepResultMsg` out. The forward runs in a worker
-thread (torch releases the GIL), so actors sharing this process keep serving
-while the model computes. Sampling state lives here per request: registered by
+One `ForwardBatchMsg` in, one `StepResultMsg` out. Loading and every forward
+run on one dedicated worker thread (torch releases the GIL), so actors sharing
+this process keep serving while the model computes. One thread, always the same:
+each thread that calls torch gets its own OpenMP team, and an idle team spinning
+next to a busy one on 2 cores halves (or worse) the speed of both. Sampling state lives here per request: registered by
 `new_reqs`, dropped by `finished_rids`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-import anyio
 import numpy as np
 import torch
 
@@ -53,9 +56,16 @@ class ModelRunnerActor(Actor):
         self.sampler = None
         self.steps = 0
         self.forward_s = 0.0
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner-torch")
+
+    async def _on_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def on_start(self) -> None:
-        await anyio.to_thread.run_sync(self._load)
+        await self._on_worker(self._load)
+
+    async def on_stop(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
 
     def _load(self) -> None:
         from kernels.attention import make_attention_backend
@@ -83,7 +93,7 @@ class ModelRunnerActor(Actor):
         self.sampler = Sampler()
 
     async def handle(self, msg, sender):
-        return await anyio.to_thread.run_sync(self._step, msg)
+        return await self._on_worker(self._step, msg)
 
     def _step(self, msg: ForwardBatchMsg) -> StepResultMsg:
         from kernels.forward_batch import ForwardBatch, SlotDeltas
