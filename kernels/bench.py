@@ -1,0 +1,174 @@
+"""`python -m kernels.bench`: prefill and decode speed of our executor vs HF transformers.
+
+Prints prefill tokens/s on a 512-token prompt, decode step time at batch 1, 8 and 32 with a
+realistic context (128 tokens each by default), the share of a decode step spent in the LM
+head, and the same prefill/decode figures for HF transformers (same process, same prompts,
+fp32). Each figure is the best of `--repeats` timed runs after one warm-up run (the dev
+machine is shared; the best run is the least disturbed one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from kernels.attention import make_attention_backend
+from kernels.config import ModelConfig
+from kernels.forward_batch import ForwardBatch
+from kernels.kv_cache import KVCache, ReqToTokenTable
+from kernels.model_executor import ModelExecutor
+from kernels.models import load_model, resolve_model_source
+
+
+def _best_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _prompts(config: ModelConfig, count: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Ordinary (non-special) token ids; content does not change the arithmetic.
+    ids = torch.randint(1000, min(config.vocab, 200_000), (count, length), generator=gen)
+    return [[config.bos_id or 2] + row.tolist()[1:] for row in ids]
+
+
+class _OurEngine:
+    """Executor + contiguous slots per row, reset between measurements."""
+
+    def __init__(self, config: ModelConfig, model: torch.nn.Module, rows: int, capacity: int):
+        dtype = model.embed_tokens.weight.dtype
+        self.rows, self.capacity = rows, capacity
+        kv = KVCache(config.num_layers, rows * capacity + 1, config.num_kv_heads,
+                     config.head_dim, dtype)
+        self.table = ReqToTokenTable(rows, capacity)
+        self.table.apply_slot_deltas(
+            list(range(rows)), [0] * rows, [capacity] * rows,
+            torch.arange(1, rows * capacity + 1, dtype=torch.int32),
+        )
+        self.executor = ModelExecutor(config, model, kv, make_attention_backend("torch"),
+                                      self.table)
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        n = len(prompts)
+        return self.executor.forward(ForwardBatch(list(range(n)), [0] * n, prompts, [True] * n))
+
+    def decode_step(self, lens: list[int], tokens: list[int]) -> torch.Tensor:
+        rows = list(range(len(lens)))
+        return self.executor.forward(ForwardBatch.decode(rows, lens, tokens))
+
+
+def bench_ours(config, model, args) -> dict[str, float]:
+    results: dict[str, float] = {}
+    engine = _OurEngine(config, model, max(args.batches), max(args.prefill_len,
+                                                                args.context + 64))
+    prompt = _prompts(config, 1, args.prefill_len, seed=0)
+    seconds = _best_time(lambda: engine.prefill(prompt), args.repeats)
+    results["prefill_tok_s"] = args.prefill_len / seconds
+    for batch in args.batches:
+        prompts = _prompts(config, batch, args.context, seed=batch)
+        engine.prefill(prompts)
+        lens = [args.context] * batch
+        tokens = [p[-1] for p in prompts]
+        # Re-decoding at the same position overwrites the same slot: a steady-state step.
+        step = _best_time(lambda: engine.decode_step(lens, tokens), args.repeats)
+        hidden = torch.randn(batch, config.hidden, dtype=model.embed_tokens.weight.dtype)
+        head = _best_time(lambda: engine.executor.lm_head(hidden), args.repeats)
+        results[f"decode_b{batch}_ms"] = step * 1000
+        results[f"decode_b{batch}_tok_s"] = batch / step
+        results[f"lm_head_b{batch}_share"] = head / step
+    return results
+
+
+def bench_hf(args) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    kind, source = resolve_model_source(args.model)
+    if kind == "gguf":
+        hf = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name,
+                                                  dtype=torch.float32)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    hf.eval()
+    config = _config_for_prompts(args)
+    results: dict[str, float] = {}
+    prompt = torch.tensor(_prompts(config, 1, args.prefill_len, seed=0))
+    with torch.inference_mode():
+        seconds = _best_time(lambda: hf(prompt, logits_to_keep=1), args.repeats)
+        results["prefill_tok_s"] = args.prefill_len / seconds
+        for batch in args.batches:
+            ids = torch.tensor(_prompts(config, batch, args.context, seed=batch))
+            cache = DynamicCache(config=hf.config)
+            hf(ids, cache=cache, use_cache=True, logits_to_keep=1)
+            step_ids = ids[:, -1:]
+
+            def step() -> None:
+                hf(step_ids, cache=cache, use_cache=True)
+                cache.crop(-1)  # drop the step's token: the context length stays steady
+
+            seconds = _best_time(step, args.repeats)
+            results[f"decode_b{batch}_ms"] = seconds * 1000
+            results[f"decode_b{batch}_tok_s"] = batch / seconds
+    return results
+
+
+_CONFIG: ModelConfig | None = None
+
+
+def _config_for_prompts(args) -> ModelConfig:
+    global _CONFIG
+    if _CONFIG is None:
+        from kernels.models import load_config
+
+        _CONFIG = load_config(args.model)
+    return _CONFIG
+
+
+def _print(label: str, results: dict[str, float], args) -> None:
+    print(f"[{label}] prefill {results['prefill_tok_s']:.1f} tok/s ({args.prefill_len}-token "
+          "prompt, last-token logits)")
+    for b in args.batches:
+        line = (f"[{label}] decode batch {b:>2} (context {args.context}): "
+                f"{results[f'decode_b{b}_ms']:.1f} ms/step, "
+                f"{results[f'decode_b{b}_tok_s']:.1f} tok/s")
+        if f"lm_head_b{b}_share" in results:
+            line += f", lm_head {100 * results[f'lm_head_b{b}_share']:.0f}% of the step"
+        print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF or HF folder (default: embedded)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="fp32")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    args = parser.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16],
+              "both": [torch.float32, torch.bfloat16]}[args.dtype]
+    with torch.inference_mode():
+        for dtype in dtypes:
+            config, model = load_model(args.model, dtype)
+            _print(f"kvactor {str(dtype).removeprefix('torch.')}", bench_ours(config, model, args),
+                   args)
+            del model
+    if not args.no_hf:
+        _print("hf transformers float32", bench_hf(args), args)
+
+
+if __name__ == "__main__":
+    main()

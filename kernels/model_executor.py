@@ -1,0 +1,94 @@
+"""Runs one forward over a ragged batch and returns logits for the requests that need them.
+
+Per call: apply the batch's slot deltas to the req-to-token replica, build the attention
+metadata and let the backend plan (once, not per layer), evaluate RoPE cos/sin once per
+layer type, run the model body over all new tokens, and project only the last token of
+each `need_logits` request through the LM head (never the full vocabulary per prompt
+token).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+from kernels.config import ModelConfig
+from kernels.forward_batch import ForwardBatch, ForwardContext
+from kernels.kv_cache import KVCache, ReqToTokenTable
+from kernels.layers import RotaryCache
+from kernels.lm_head import LmHead
+
+
+class ModelExecutor:
+    """Owns nothing but references: the model, the KV cache, the table and the backend."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        model: nn.Module,
+        kv_cache: KVCache,
+        attention_backend: AttentionBackend,
+        req_to_token: ReqToTokenTable,
+        lm_head: LmHead | None = None,
+        validate: bool = True,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention = attention_backend
+        self.req_to_token = req_to_token
+        self.validate = validate
+        self.dtype = model.embed_tokens.weight.dtype
+        self.device = model.embed_tokens.weight.device
+        self.lm_head = lm_head or LmHead(model.lm_head_weight, config.final_logit_softcap)
+        self.shape = AttentionShape(
+            num_q_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            scale=config.attn_scale,
+            logit_softcap=config.attn_logit_softcap,
+            sliding_window=config.sliding_window,
+        )
+        self.rotary: dict[str, RotaryCache] = {}
+        for layer_type in sorted(set(config.layer_types)):
+            spec = config.rope_local if layer_type == "sliding_attention" else config.rope
+            self.rotary[layer_type] = RotaryCache(spec, config.head_dim, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> Tensor:
+        """float32 logits [num requests with need_logits, vocab], in batch order."""
+        hidden = self.forward_hidden(batch)
+        if hidden.shape[0] == 0:
+            return torch.empty((0, self.config.vocab), dtype=torch.float32, device=self.device)
+        return self.lm_head(hidden)
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch) -> Tensor:
+        """Final-norm hidden states [num requests with need_logits, hidden]; writes the KV."""
+        if batch.slot_deltas is not None:
+            d = batch.slot_deltas
+            self.req_to_token.apply_slot_deltas(d.rows, d.starts, d.lengths, d.flat_slots)
+        meta = AttentionMetadata.build(
+            batch, self.req_to_token, self.kv_cache, self.shape, validate=self.validate
+        )
+        self.attention.plan(meta)
+        rope = {
+            layer_type: cache.cos_sin(meta.positions, self.dtype)
+            for layer_type, cache in self.rotary.items()
+        }
+        ctx = ForwardContext(attention=self.attention, kv_cache=self.kv_cache, rope=rope)
+        input_ids = torch.from_numpy(batch.flat_input_ids()).to(self.device)
+        # The body always runs over every new token (their KV must be written), even when
+        # no row is selected (a non-final prefill chunk).
+        return self.model(input_ids, ctx, self._logit_rows(batch, meta))
+
+    def _logit_rows(self, batch: ForwardBatch, meta: AttentionMetadata) -> Tensor | None:
+        """Rows (flat token index) of the last new token of each need_logits request;
+        None when that is every row (pure decode with logits for all)."""
+        if batch.is_decode_only and all(batch.need_logits):
+            return None
+        wanted = np.asarray(batch.need_logits, dtype=bool)
+        last_rows = meta.qo_indptr_host[1:][wanted] - 1
+        return torch.from_numpy(last_rows).to(self.device)

@@ -1,0 +1,138 @@
+"""Shared helpers for the model tests: a contiguous-slot allocator and a greedy driver.
+
+`ContiguousSlots` stands in for the lead's allocator: row r owns the slots
+[first + r * capacity, first + (r + 1) * capacity), handed out in order and announced to the
+executor through the slot deltas of each batch, exactly as the real allocator will do.
+`GreedyRunner` drives an executor through chunked prefill and batched decode.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.attention import make_attention_backend
+from kernels.config import ModelConfig
+from kernels.forward_batch import ForwardBatch, SlotDeltas
+from kernels.kv_cache import KVCache, ReqToTokenTable
+from kernels.lm_head import LmHead
+from kernels.model_executor import ModelExecutor
+
+# One LM head per model: building one may pack a copy of the (large) tied embedding.
+_HEADS: weakref.WeakKeyDictionary[torch.nn.Module, LmHead] = weakref.WeakKeyDictionary()
+
+
+def shared_lm_head(config: ModelConfig, model: torch.nn.Module) -> LmHead:
+    head = _HEADS.get(model)
+    if head is None:
+        head = LmHead(model.lm_head_weight, config.final_logit_softcap)
+        _HEADS[model] = head
+    return head
+
+
+@dataclass
+class ContiguousSlots:
+    """Row r -> slots first_slot + r * row_capacity + position; page 0 stays unused."""
+
+    num_rows: int
+    row_capacity: int
+    first_slot: int
+    allocated: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.allocated = [0] * self.num_rows
+
+    @property
+    def num_slots_needed(self) -> int:
+        return self.first_slot + self.num_rows * self.row_capacity
+
+    def extend(self, rows: list[int], new_lens: list[int]) -> SlotDeltas:
+        """Reserve `new_lens[i]` more positions for rows[i]; the deltas to send along."""
+        starts, flat = [], []
+        for row, n in zip(rows, new_lens):
+            start = self.allocated[row]
+            if start + n > self.row_capacity:
+                raise ValueError("row full")
+            base = self.first_slot + row * self.row_capacity
+            flat.extend(range(base + start, base + start + n))
+            starts.append(start)
+            self.allocated[row] = start + n
+        return SlotDeltas(rows=list(rows), starts=starts, lengths=list(new_lens), flat_slots=flat)
+
+    def release(self, row: int) -> None:
+        self.allocated[row] = 0
+
+
+def make_executor(
+    config: ModelConfig,
+    model: torch.nn.Module,
+    num_rows: int,
+    row_capacity: int,
+    page_size: int = 1,
+) -> tuple[ModelExecutor, ContiguousSlots]:
+    dtype = model.embed_tokens.weight.dtype
+    slots = ContiguousSlots(num_rows, row_capacity, first_slot=page_size)
+    total = slots.num_slots_needed
+    total += (-total) % page_size
+    kv = KVCache(config.num_layers, total, config.num_kv_heads, config.head_dim, dtype,
+                 page_size=page_size)
+    table = ReqToTokenTable(num_rows, row_capacity)
+    executor = ModelExecutor(config, model, kv, make_attention_backend("torch"), table,
+                             lm_head=shared_lm_head(config, model))
+    return executor, slots
+
+
+@dataclass
+class GreedyRunner:
+    """Greedy generation for several prompts at once, with optional chunked prefill."""
+
+    executor: ModelExecutor
+    slots: ContiguousSlots
+
+    def prefill_logits(self, prompts: list[list[int]], chunk: int | None = None) -> torch.Tensor:
+        """Prefill every prompt (rows 0..n-1) in chunks; logits of each last prompt token."""
+        n = len(prompts)
+        done = [0] * n
+        last: list[torch.Tensor | None] = [None] * n
+        while any(done[i] < len(prompts[i]) for i in range(n)):
+            reqs = [i for i in range(n) if done[i] < len(prompts[i])]
+            pieces = [prompts[i][done[i]: done[i] + (chunk or len(prompts[i]))] for i in reqs]
+            final = [done[i] + len(p) == len(prompts[i]) for i, p in zip(reqs, pieces)]
+            deltas = self.slots.extend(reqs, [len(p) for p in pieces])
+            batch = ForwardBatch(reqs, [done[i] for i in reqs], pieces, final, deltas)
+            logits = self.executor.forward(batch)
+            for row_out, i in enumerate(i for i, f in zip(reqs, final) if f):
+                last[i] = logits[row_out]
+            for i, p in zip(reqs, pieces):
+                done[i] += len(p)
+        return torch.stack(last)  # type: ignore[arg-type]
+
+    def generate(
+        self, prompts: list[list[int]], max_new: int, chunk: int | None = None,
+        stop_ids: tuple[int, ...] = (),
+    ) -> list[list[int]]:
+        """Greedy continuations (up to max_new tokens, stopping after a stop id)."""
+        for row in range(len(prompts)):
+            self.slots.release(row)
+        logits = self.prefill_logits(prompts, chunk)
+        outputs = [[int(t)] for t in logits.argmax(-1)]
+        lens = [len(p) for p in prompts]
+        for _ in range(max_new - 1):
+            live = [i for i, out in enumerate(outputs)
+                    if len(out) < max_new and out[-1] not in stop_ids]
+            if not live:
+                break
+            deltas = self.slots.extend(live, [1] * len(live))
+            batch = ForwardBatch.decode(live, [lens[i] + len(outputs[i]) - 1 for i in live],
+                                        [outputs[i][-1] for i in live], deltas)
+            next_ids = self.executor.forward(batch).argmax(-1).tolist()
+            for i, t in zip(live, next_ids):
+                outputs[i].append(int(t))
+        return outputs
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
