@@ -28,9 +28,9 @@ DEFAULT_CONFIG = ROOT / "configs" / "default.toml"
 @dataclass
 class ModelSection:
     path: str = ""
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
     attention: str = "torch"
-    threads: int = 0
+    threads: int = 1
 
 
 @dataclass
