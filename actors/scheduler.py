@@ -138,6 +138,7 @@ class SchedulerActor(Actor):
             pure_decode_messages=0,
         )
         self.step_messages = 0  # messages this scheduler sent during the current step
+        self.tried_admission = False  # this step asked for KV stats to admit from the queue
 
     # ---- mailbox -------------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -205,6 +206,7 @@ class SchedulerActor(Actor):
     async def step(self) -> bool:
         out = _Outbox()
         self.step_messages = 0
+        self.tried_admission = False
         retractions = self.counters["retractions"]
         if self.pending_retract is not None:
             victim, self.pending_retract = self.pending_retract, None
@@ -228,7 +230,12 @@ class SchedulerActor(Actor):
             req.registered = True
         await self._process(decode, prefill, result, out)
         await self._flush(out)
-        pure = not prefill and not out.releases and retractions == self.counters["retractions"]
+        pure = (
+            not prefill
+            and not out.releases
+            and not self.tried_admission
+            and retractions == self.counters["retractions"]
+        )
         if pure and not any(e[2] for e in out.entries):
             # A decode step with no admission, no finish, no end: its cost is constant.
             self.counters["pure_decode_steps"] += 1
@@ -379,6 +386,7 @@ class SchedulerActor(Actor):
         slots = self.max_running - len(self.running) - len(self.prefilling)
         if slots <= 0:
             return []
+        self.tried_admission = True
         cands = list(self.waiting)
         if self.policy == "lpm" and self.radix_ref is not None and len(cands) > 1:
             peek = await self._call(
