@@ -1,0 +1,193 @@
+"""The gateway actor: owns the HTTP server (uvicorn) and is the frontend of its requests.
+
+Its inbox is `OutputBatch`: it is the `reply_to` of every request its `EngineClient`
+submits, and routes each chunk to the request's stream (`StreamRouter`). `on_start` binds
+the listening socket itself, so a port in use fails `on_start` (the actor crashes loudly
+and the engine stops), then serves uvicorn in a background task of the actor. The engine
+owns signals; uvicorn's signal capture is turned off. Stopping the actor closes the
+listener and every connection (in-flight requests see a disconnect and abort).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator, Sequence
+
+import anyio
+import uvicorn
+
+from actors.frontend import EngineClient, StreamRouter
+from actors.gateway.app import MAX_BODY_BYTES, GatewayApp
+from actors.gateway.metrics import GatewayMetrics
+from actors.runtime import Actor, RemoteError
+from transport.channel import ChannelClosed
+from transport.messages.alloc import KvStats, KvStatsRequest
+from transport.messages.engine import OutputBatch, SchedulerStats, SchedulerStatsRequest
+
+HEALTH_TIMEOUT_S = 1.0
+STATS_TIMEOUT_S = 2.0
+_SHUTDOWN_GRACE_S = 1.0  # in-flight requests get this long to notice the disconnect
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside an engine: the engine's supervisor owns SIGINT / SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; raises OSError (e.g. address in use) right here."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class GatewayActor(Actor):
+    inbox = OutputBatch
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        api_key: str | None = None,
+        model_name: str = "gemma-3-270m",
+        context_len: int = 4096,
+        watched_actors: Sequence[str] = (),
+        tokenizer: str = "tokenizer",
+        scheduler: str = "scheduler",
+        allocator: str = "allocator",
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.api_key = api_key or None
+        self.model_name = model_name
+        self.context_len = context_len
+        self.watched_actors = list(watched_actors)
+        self.tokenizer_name = tokenizer
+        self.scheduler_name = scheduler
+        self.allocator_name = allocator
+        self.max_body_bytes = max_body_bytes
+        self.router = StreamRouter()
+        self.metrics = GatewayMetrics()
+        self.bound_port: int | None = None
+        self._sock: socket.socket | None = None
+        self._server: _EmbeddedServer | None = None
+
+    async def on_start(self) -> None:
+        client = EngineClient(self.ref(self.tokenizer_name), self.router, self.name)
+        self.app = GatewayApp(
+            client=client,
+            model_name=self.model_name,
+            context_len=self.context_len,
+            api_key=self.api_key,
+            health=self.probe_health,
+            stats=self.engine_stats,
+            metrics=self.metrics,
+            max_body_bytes=self.max_body_bytes,
+        )
+        self._sock = bind_listener(self.host, self.port)
+        self.bound_port = self._sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            host=self.host,
+            port=self.bound_port,
+            lifespan="off",
+            log_level="warning",
+            log_config=None,
+            access_log=False,
+            interface="asgi3",
+            ws="none",
+        )
+        self._server = _EmbeddedServer(config)
+        self.spawn(self._serve)
+        self.log.info("gateway listening", host=self.host, port=self.bound_port)
+
+    async def _serve(self) -> None:
+        assert self._server is not None and self._sock is not None
+        try:
+            await self._server.serve(sockets=[self._sock])
+        except SystemExit as exc:  # uvicorn's way of failing start-up
+            raise RuntimeError(f"HTTP server failed to start (exit code {exc.code})") from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close_server()
+        raise RuntimeError("HTTP server stopped on its own")
+
+    async def _close_server(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.should_exit = True
+        server.force_exit = True
+        for listener in getattr(server, "servers", []):
+            listener.close()
+        state = server.server_state
+        for connection in list(state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.close()  # the request sees http.disconnect and aborts
+        with anyio.move_on_after(_SHUTDOWN_GRACE_S):
+            while state.tasks:
+                await anyio.sleep(0.02)
+        for task in list(state.tasks):
+            task.cancel()
+        if self._sock is not None:
+            self._sock.close()
+
+    async def on_stop(self) -> None:
+        await self._close_server()
+        if self._sock is not None:
+            self._sock.close()
+
+    async def handle(self, msg, sender):
+        self.router.deliver(msg.chunks)
+        return None
+
+    # ---- probes given to the app -------------------------------------------------------------
+
+    async def probe_health(self) -> dict[str, str | None]:
+        """Ping every watched actor at once; None when it answered within the timeout."""
+        status: dict[str, str | None] = {}
+
+        async def probe(name: str) -> None:
+            try:
+                await self.ref(name).ping(timeout=HEALTH_TIMEOUT_S)
+                status[name] = None
+            except (TimeoutError, RemoteError, ChannelClosed, KeyError) as exc:
+                status[name] = f"{type(exc).__name__}: {exc}"
+
+        async with anyio.create_task_group() as tg:
+            for name in self.watched_actors:
+                tg.start_soon(probe, name)
+        return {name: status[name] for name in self.watched_actors}
+
+    async def engine_stats(self) -> tuple[SchedulerStats | None, KvStats | None]:
+        results: dict[str, object] = {}
+
+        async def fetch(key: str, actor: str, request, expect) -> None:
+            with contextlib.suppress(TimeoutError, RemoteError, ChannelClosed, KeyError):
+                results[key] = await self.ref(actor).call(
+                    request, expect=expect, timeout=STATS_TIMEOUT_S
+                )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fetch, "s", self.scheduler_name, SchedulerStatsRequest(), SchedulerStats)
+            tg.start_soon(fetch, "k", self.allocator_name, KvStatsRequest(), KvStats)
+        return results.get("s"), results.get("k")  # type: ignore[return-value]
+
+    def stats(self) -> dict[str, int | float]:
+        return {"open_streams": len(self.router), **{
+            f"requests_{k}": v for k, v in self.metrics.requests.items()
+        }}

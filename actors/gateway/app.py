@@ -1,0 +1,510 @@
+"""The gateway's ASGI application: routes, auth, body limits, and the OpenAI endpoints.
+
+Plain ASGI 3 (no framework). `GatewayApp` is given the engine-facing `EngineClient` and two
+probes (actor health, engine stats) by its owner, the gateway actor, so it holds no actor
+state itself. Order of checks for every request: route (404), method (405), API key on
+/v1/* (401), body size while reading (413), strict decode (400), model name (404), then the
+engine's own validation (400). A refused request never reaches the scheduler.
+
+One generation request runs one `EngineClient.generate` per choice, each in its own task
+feeding a single event stream, plus a task watching `receive()` for `http.disconnect`.
+Invariant: when the client leaves, the task group is cancelled, which closes every
+choice's generator, which sends `AbortGeneration`; its KV goes back to the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from actors.frontend import EngineClient, GenerationError
+from actors.gateway.errors import (
+    NOT_FOUND,
+    SERVER_ERROR,
+    UNAVAILABLE,
+    ApiError,
+    ErrorBody,
+    from_decode_error,
+    from_generation_error,
+)
+from actors.gateway.generation import (
+    ChatRenderer,
+    ChoiceState,
+    CompletionRenderer,
+    Job,
+    Renderer,
+    chat_jobs,
+    check_model,
+    completion_jobs,
+    usage_of,
+)
+from actors.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from actors.gateway.metrics import GatewayMetrics
+from actors.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+)
+from actors.gateway.sse import DONE_EVENT, SSE_HEADERS, sse_event
+from transport.channel import ChannelClosed
+from transport.messages.alloc import KvStats
+from transport.messages.engine import OutputChunk, SchedulerStats
+
+MAX_BODY_BYTES = 2 * 1024 * 1024
+# An oversized body is read and dropped up to this size so the client can read its 413;
+# beyond it the connection is closed after the 413 is sent.
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
+
+HealthProbe = Callable[[], Awaitable[dict[str, str | None]]]  # actor -> None (up) or why down
+StatsProbe = Callable[[], Awaitable[tuple[SchedulerStats | None, KvStats | None]]]
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_json = msgspec.json.Encoder()
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read; nothing to answer."""
+
+
+async def send_response(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = _JSON_HEADERS
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# ---- one generation request ------------------------------------------------------------------
+
+_ACCEPTED, _CHUNK, _ERROR = 0, 1, 2
+
+
+@dataclass(slots=True)
+class _Event:
+    index: int
+    kind: int
+    chunk: OutputChunk | None = None
+    error: ApiError | None = None
+
+
+@dataclass(slots=True)
+class _Outcome:
+    completed: bool = False  # the last byte of the response is being sent
+    succeeded: bool = False  # ... and every choice finished
+    disconnected: bool = False  # the client left before `completed`
+    error: ApiError | None = None  # refused before the response started
+
+
+def _post(tx: MemoryObjectSendStream[_Event], event: _Event) -> None:
+    # The reader may be gone (the request ended early); its events are no longer needed.
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+        tx.send_nowait(event)
+
+
+class GatewayApp:
+    """`await app(scope, receive, send)`; see the module docstring for the order of checks."""
+
+    def __init__(
+        self,
+        *,
+        client: EngineClient,
+        model_name: str,
+        context_len: int,
+        api_key: str | None,
+        health: HealthProbe,
+        stats: StatsProbe,
+        metrics: GatewayMetrics | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.context_len = context_len
+        self._api_key = api_key.encode() if api_key else None
+        self.health = health
+        self.stats = stats
+        self.metrics = metrics or GatewayMetrics()
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self.routes: dict[str, dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
+            "/v1/completions": {"POST": self._completions},
+            "/v1/chat/completions": {"POST": self._chat_completions},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._health},
+            "/metrics": {"GET": self._metrics},
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1003})
+            return
+        try:
+            await self._dispatch(scope, receive, send)
+        except ApiError as err:
+            self.metrics.count_error(err.status)
+            await send_response(send, err.status, err.body(), [*_JSON_HEADERS, *err.headers])
+        except ClientGone:
+            self.metrics.count_aborted()
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        methods = self.routes.get(path)
+        if methods is None and path.startswith("/v1/models/"):
+            methods = {"GET": self._model}
+        if methods is None:
+            raise ApiError(404, f"no route {path}", type=NOT_FOUND, code="not_found")
+        handler = methods.get(scope["method"])
+        if handler is None:
+            raise ApiError(
+                405,
+                f"method {scope['method']} is not allowed on {path}",
+                code="method_not_allowed",
+                headers=[(b"allow", ", ".join(methods).encode())],
+            )
+        if path.startswith("/v1/"):
+            self._authorize(scope)
+        await handler(scope, receive, send)
+
+    def _authorize(self, scope: Scope) -> None:
+        if self._api_key is None:
+            return
+        given = _header(scope, b"authorization")
+        if given is None:
+            raise ApiError(
+                401,
+                "Missing API key: send `Authorization: Bearer <key>`.",
+                code="invalid_api_key",
+                headers=[(b"www-authenticate", b"Bearer")],
+            )
+        if not hmac.compare_digest(given, b"Bearer " + self._api_key):
+            raise ApiError(
+                401,
+                "Incorrect API key provided.",
+                code="invalid_api_key",
+                headers=[(b"www-authenticate", b"Bearer")],
+            )
+
+    # ---- bodies ------------------------------------------------------------------------------
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The whole body, refused with 413 as soon as it exceeds the cap."""
+        declared = _header(scope, b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise ApiError(400, "invalid Content-Length header", code="invalid_header")
+            if int(declared) > self.max_body_bytes:
+                # A client waiting for `100 Continue` has sent nothing: refuse, then close.
+                waits = _header(scope, b"expect") == b"100-continue"
+                drained = (
+                    not waits
+                    and int(declared) <= DRAIN_LIMIT_BYTES
+                    and await _drain(receive, 0)
+                )
+                raise self._too_large(drained)
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            part = message.get("body", b"")
+            size += len(part)
+            more = message.get("more_body", False)
+            if size > self.max_body_bytes:
+                drained = not more or await _drain(receive, size)
+                raise self._too_large(drained)
+            parts.append(part)
+            if not more:
+                return b"".join(parts)
+
+    def _too_large(self, drained: bool) -> ApiError:
+        return ApiError(
+            413,
+            f"request body exceeds {self.max_body_bytes} bytes",
+            code="request_too_large",
+            headers=[] if drained else [(b"connection", b"close")],
+        )
+
+    def _decode(self, body: bytes, schema: type[SamplingRequest]) -> Any:
+        if not body:
+            raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
+        try:
+            return msgspec.json.decode(body, type=schema)
+        except msgspec.DecodeError as exc:
+            raise from_decode_error(exc, body) from None
+
+    # ---- endpoints ---------------------------------------------------------------------------
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        req: CompletionRequest = self._decode(await self._read_body(scope, receive),
+                                              CompletionRequest)
+        check_model(req.model, self.model_name)
+        include_usage = _include_usage(req)
+        jobs = completion_jobs(req)
+        renderer = CompletionRenderer(self.model_name, req.logprobs is not None, req.logprobs or 0)
+        await self._generate(receive, send, jobs, renderer, bool(req.stream), include_usage)
+
+    async def _chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        req: ChatCompletionRequest = self._decode(await self._read_body(scope, receive),
+                                                  ChatCompletionRequest)
+        check_model(req.model, self.model_name)
+        include_usage = _include_usage(req)
+        jobs = chat_jobs(req, self.context_len)
+        renderer = ChatRenderer(self.model_name, bool(req.logprobs))
+        await self._generate(receive, send, jobs, renderer, bool(req.stream), include_usage)
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_response(send, 200, _json.encode(ModelList(data=[self._card()])))
+
+    async def _model(self, scope: Scope, receive: Receive, send: Send) -> None:
+        wanted = scope["path"][len("/v1/models/") :]
+        check_model(wanted, self.model_name)
+        await send_response(send, 200, _json.encode(self._card()))
+
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=self.context_len)
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        status = await self.health()
+        down = {name: why for name, why in status.items() if why is not None}
+        if down:
+            body = {"status": "unavailable", "down": down}
+            await send_response(send, 503, _json.encode(body))
+        else:
+            await send_response(send, 200, _json.encode({"status": "ok", "actors": list(status)}))
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scheduler, kv = await self.stats()
+        body = self.metrics.render(scheduler, kv)
+        await send_response(send, 200, body, [(b"content-type", METRICS_CONTENT_TYPE)])
+
+    # ---- generation --------------------------------------------------------------------------
+
+    async def _generate(
+        self,
+        receive: Receive,
+        send: Send,
+        jobs: list[Job],
+        renderer: Renderer,
+        stream: bool,
+        include_usage: bool,
+    ) -> None:
+        started = time.perf_counter()
+        states = [ChoiceState() for _ in jobs]
+        outcome = _Outcome()
+        tx, rx = anyio.create_memory_object_stream[_Event](math.inf)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
+            async with tx:
+                for job in jobs:
+                    tg.start_soon(self._pump, job, tx.clone())
+            early: list[_Event] = []
+            accepted = 0
+            # Nothing is sent before every choice is accepted: a refusal is a plain 400.
+            while accepted < len(jobs) and outcome.error is None:
+                event = await _next_event(rx)
+                if event.kind == _ACCEPTED:
+                    accepted += 1
+                elif event.kind == _ERROR:
+                    outcome.error = event.error
+                else:
+                    early.append(event)
+            if outcome.error is None:
+                if stream:
+                    await self._stream(send, rx, early, jobs, states, renderer, include_usage,
+                                       started, outcome)
+                else:
+                    await self._respond(send, rx, early, jobs, states, renderer, started, outcome)
+            tg.cancel_scope.cancel()
+        if outcome.disconnected:
+            self.metrics.count_aborted()
+        elif outcome.error is not None:
+            raise outcome.error
+        elif outcome.succeeded:
+            self.metrics.count_success(time.perf_counter() - started)
+
+    async def _pump(self, job: Job, tx: MemoryObjectSendStream[_Event]) -> None:
+        """Run one choice; every outcome is an event (never an exception in the group)."""
+        async with tx:
+            try:
+                gen = self.client.generate(
+                    job.params,
+                    **job.prompt,
+                    on_accepted=lambda _: _post(tx, _Event(job.index, _ACCEPTED)),
+                )
+                async with contextlib.aclosing(gen):
+                    async for chunk in gen:
+                        _post(tx, _Event(job.index, _CHUNK, chunk=chunk))
+            except GenerationError as exc:
+                _post(tx, _Event(job.index, _ERROR, error=from_generation_error(exc)))
+            except (TimeoutError, ChannelClosed) as exc:
+                error = ApiError(503, f"engine unavailable: {type(exc).__name__}: {exc}",
+                                 type=UNAVAILABLE)
+                _post(tx, _Event(job.index, _ERROR, error=error))
+            except Exception as exc:
+                error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                 type=SERVER_ERROR)
+                _post(tx, _Event(job.index, _ERROR, error=error))
+
+    def _record(self, event: _Event, states: list[ChoiceState], started: float) -> int:
+        """Fold a chunk into its choice's state and metrics; returns its text offset."""
+        chunk = event.chunk
+        assert chunk is not None
+        state = states[event.index]
+        if chunk.token_ids:
+            now = time.perf_counter()
+            if state.first_token_at is None:
+                self.metrics.ttft.observe(now - started)
+                state.first_token_at = now
+            else:
+                self.metrics.itl.observe(now - (state.last_token_at or now))
+            state.last_token_at = now
+        offset = state.add(chunk)
+        if chunk.finish_reason is not None:
+            self.metrics.count_finished(
+                chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens,
+                chunk.cached_tokens,
+            )
+        return offset
+
+    async def _respond(
+        self,
+        send: Send,
+        rx: MemoryObjectReceiveStream[_Event],
+        early: list[_Event],
+        jobs: list[Job],
+        states: list[ChoiceState],
+        renderer: Renderer,
+        started: float,
+        outcome: _Outcome,
+    ) -> None:
+        remaining = len(jobs)
+        queue = list(early)
+        while remaining:
+            event = queue.pop(0) if queue else await _next_event(rx)
+            if event.kind == _ERROR:
+                outcome.error = event.error
+                return
+            if event.kind == _CHUNK:
+                self._record(event, states, started)
+                remaining -= event.chunk.finish_reason is not None
+        body = _json.encode(renderer.final(states, usage_of(jobs, states)))
+        outcome.completed = outcome.succeeded = True
+        await send_response(send, 200, body)
+
+    async def _stream(
+        self,
+        send: Send,
+        rx: MemoryObjectReceiveStream[_Event],
+        early: list[_Event],
+        jobs: list[Job],
+        states: list[ChoiceState],
+        renderer: Renderer,
+        include_usage: bool,
+        started: float,
+        outcome: _Outcome,
+    ) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        out = [sse_event(o) for job in jobs if (o := renderer.opening(job.index)) is not None]
+        remaining = len(jobs)
+        queue = list(early)
+        while remaining:
+            # Write every event already queued in one send (one syscall per batch of chunks).
+            if not queue:
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out),
+                                "more_body": True})
+                    out.clear()
+                queue.append(await _next_event(rx))
+                while True:
+                    try:
+                        queue.append(rx.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+            event = queue.pop(0)
+            if event.kind == _ERROR:
+                assert event.error is not None
+                out.append(sse_event(ErrorBody(error=event.error.detail)))
+                self.metrics.count_error(event.error.status)
+                break
+            if event.kind != _CHUNK:
+                continue
+            assert event.chunk is not None
+            offset = self._record(event, states, started)
+            delta = renderer.delta(event.index, event.chunk, offset)
+            if delta is not None:
+                out.append(sse_event(delta))
+            remaining -= event.chunk.finish_reason is not None
+        if include_usage and not remaining:
+            out.append(sse_event(renderer.usage_event(usage_of(jobs, states))))
+        out.append(DONE_EVENT)
+        outcome.completed = True
+        outcome.succeeded = not remaining
+        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+
+
+async def _next_event(rx: MemoryObjectReceiveStream[_Event]) -> _Event:
+    try:
+        return await rx.receive()
+    except anyio.EndOfStream:
+        # Every choice's task ended without finishing: the engine went away.
+        error = ApiError(503, "the engine ended the request without finishing it",
+                         type=UNAVAILABLE)
+        return _Event(-1, _ERROR, error=error)
+
+
+async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope, outcome: _Outcome) -> None:
+    """Cancel the request's task group when the client disconnects mid-request."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not outcome.completed:
+                outcome.disconnected = True
+                scope.cancel()
+            return
+
+
+async def _drain(receive: Receive, already: int) -> bool:
+    """Read and drop the rest of a body; True when it ended within DRAIN_LIMIT_BYTES."""
+    size = already
+    while size <= DRAIN_LIMIT_BYTES:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return True
+    return False
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+def _include_usage(req: SamplingRequest) -> bool:
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true",
+                       param="stream_options")
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)

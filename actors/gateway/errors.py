@@ -1,0 +1,92 @@
+"""HTTP errors of the gateway: the `ApiError` exception and OpenAI-style error bodies.
+
+Every refusal the gateway sends has the body OpenAI clients expect:
+`{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}`.
+Handlers raise `ApiError`; the app turns it into a response. Helpers here translate the
+two other sources of refusals: msgspec decode failures and the engine's `GenerationError`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from actors.frontend import GenerationError
+from actors.tokenizer import ERR_INVALID_REQUEST
+
+# OpenAI error "type" values.
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+UNAVAILABLE = "service_unavailable_error"
+
+
+class ErrorDetail(msgspec.Struct, omit_defaults=False):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """A refusal with an HTTP status; `headers` are added to the response (e.g. Allow)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
+        self.headers = headers or []
+
+    def body(self) -> bytes:
+        return msgspec.json.encode(ErrorBody(error=self.detail))
+
+
+_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_FIELD_PREFIX = re.compile(r"^([a-z_]+): ")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
+
+
+def from_decode_error(exc: msgspec.DecodeError, body: bytes) -> ApiError:
+    """The 400 for a body msgspec refused: malformed JSON, bad UTF-8, or a schema mismatch."""
+    text = str(exc)
+    if isinstance(exc, msgspec.ValidationError):
+        path = _PATH.search(text)
+        unknown = _UNKNOWN_FIELD.search(text)
+        missing = _MISSING_FIELD.search(text)
+        named = unknown or missing
+        param = path.group(1) if path else (named.group(1) if named else None)
+        code = "unknown_parameter" if unknown else "invalid_type"
+        return ApiError(400, f"invalid request body: {text}", param=param, code=code)
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as utf8:
+        return ApiError(
+            400, f"request body is not valid UTF-8: {utf8.reason}", code="invalid_encoding"
+        )
+    return ApiError(400, f"request body is not valid JSON: {text}", code="invalid_json")
+
+
+def from_generation_error(exc: GenerationError) -> ApiError:
+    """The engine refused a request: bad input is a 400, anything else a 500."""
+    if exc.code == ERR_INVALID_REQUEST:
+        named = _FIELD_PREFIX.match(exc.message)
+        param = named.group(1) if named else None
+        code = "context_length_exceeded" if "context is" in exc.message else None
+        return ApiError(400, exc.message, param=param, code=code)
+    return ApiError(500, f"engine error: {exc.code}: {exc.message}", type=SERVER_ERROR)

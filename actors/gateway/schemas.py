@@ -1,0 +1,205 @@
+"""The OpenAI wire schema the gateway speaks: request and response msgspec Structs.
+
+Requests are decoded strictly (`msgspec.json.decode(body, type=...)`): wrong types,
+unknown fields and out-of-schema values are refused before anything reaches the engine.
+Range checks of sampling values belong to the tokenizer actor (`validate_params`); the
+constraints here are the HTTP-specific ones (n, logprobs, roles, content part types).
+`null` for an optional parameter means "the default", as in OpenAI's API.
+
+Responses mirror OpenAI's objects field for field (ids, `object`, `created`, `model`,
+`choices`, `usage`), so the official client parses them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+MAX_N = 16  # choices per request
+MAX_PROMPTS = 16  # prompts in one batched /v1/completions request
+MAX_CHOICES = 64  # engine requests one HTTP request may start (prompts x n)
+MAX_COMPLETION_LOGPROBS = 20  # completions' `logprobs` (top-n); the tokenizer caps the same
+MAX_MESSAGES = 1024
+
+# Every integer of a request fits a signed 64-bit integer (JSON allows any size; the engine's
+# msgpack messages do not).
+Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = False
+
+
+class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: Int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int | None = None
+    min_p: float | None = None
+    seed: Int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False
+    min_tokens: Int | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    user: str | None = None  # accepted and ignored
+    logit_bias: dict[str, float] | None = None  # only an empty map is supported
+
+
+class CompletionRequest(SamplingRequest, kw_only=True):
+    # A string, a list of strings (one prompt each), a token id list, or a list of them.
+    prompt: str | list[str | Int | list[Int]]
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: bool | None = False  # only false is supported
+    suffix: str | None = None  # only null is supported
+    best_of: Int | None = None  # only null or n is supported
+
+
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
+    role: ChatRole
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
+    messages: Annotated[list[ChatMessageIn], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Int | None = None
+    logprobs: bool | None = False
+    top_logprobs: Int | None = None
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(msgspec.Struct):
+    """A /v1/completions response, and (object "text_completion" too) each streamed chunk."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatLogprob] | None
+    refusal: None = None
+
+
+class ChatMessageOut(msgspec.Struct):
+    content: str | None
+    role: str = "assistant"
+    refusal: None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None  # "assistant", in the first chunk of each choice only
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+    system_fingerprint: str | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "kvactor"
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"

@@ -1,0 +1,315 @@
+"""The ZeroMQ client endpoint: external clients speak `transport.messages.client` to it.
+
+`ZmqEndpointActor(address)` binds a ROUTER socket for clients (DEALER sockets, see
+`transport.client.KvactorClient`) and is itself a frontend: it submits `GenerateRequest`s
+to the tokenizer with itself as `reply_to`, so its inbox is `OutputBatch`, and it turns
+each chunk into a `ClientChunk` frame for the client identity that owns the request.
+
+Invariants:
+* A live request is in `self.live` (engine id -> route) and in `self.clients[identity]`
+  (client request id -> route) at the same time, or in neither.
+* Nothing a client sends can crash the actor: undecodable frames, unknown ids, duplicate
+  ids and refused requests are answered with `ClientError` frames.
+* The socket is ROUTER_MANDATORY, so a frame to a client that is gone fails instead of
+  vanishing: its live requests are aborted. A client whose send queue is full (it stopped
+  reading) has the request being written to aborted rather than silently losing frames.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+
+import anyio
+import zmq
+import zmq.asyncio
+
+from actors.runtime import Actor, RemoteError
+from actors.tokenizer import ERR_INVALID_REQUEST as ENGINE_INVALID_REQUEST
+from transport.channel import ChannelClosed, shared_context
+from transport.codec import Codec, DecodeFailure
+from transport.messages.client import (
+    ERR_DUPLICATE_ID,
+    ERR_ENGINE,
+    ERR_INVALID_REQUEST,
+    ERR_MALFORMED,
+    ERR_SLOW_CLIENT,
+    FINISH_ABORT,
+    MAX_CLIENT_FRAME_BYTES,
+    MAX_REQUEST_ID_CHARS,
+    ClientAbort,
+    ClientChunk,
+    ClientError,
+    ClientRequestFrame,
+    ClientSubmit,
+    ClientUsage,
+)
+from transport.messages.engine import (
+    AbortGeneration,
+    Accepted,
+    GenerateRequest,
+    OutputBatch,
+    OutputChunk,
+    TokenLogprob,
+)
+
+# Hard cap enforced by libzmq: a peer sending a bigger message is disconnected. Frames between
+# MAX_CLIENT_FRAME_BYTES and this get a ClientError instead.
+_ZMQ_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_CLIENT_HWM = 100_000  # frames queued per client before it counts as not reading
+
+
+@dataclass(eq=False)
+class _Route:
+    """One live client request."""
+
+    identity: bytes
+    request_id: str
+    engine_rid: str
+    stream: bool
+    accepted: bool = False
+    aborted: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # Only for stream=False: the whole output, sent at the end.
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def usage(self) -> ClientUsage:
+        return ClientUsage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+        )
+
+
+class ZmqEndpointActor(Actor):
+    inbox = OutputBatch
+
+    def __init__(self, address: str, tokenizer: str = "tokenizer") -> None:
+        self.address = address
+        self.tokenizer_name = tokenizer
+        self.codec: Codec = Codec(ClientRequestFrame, max_message_bytes=MAX_CLIENT_FRAME_BYTES)
+        self.live: dict[str, _Route] = {}
+        self.clients: dict[bytes, dict[str, _Route]] = {}
+        self._ids = itertools.count(1)
+        self._prefix = f"zmq-{os.getpid()}-{id(self):x}"
+        self._socket: zmq.asyncio.Socket | None = None
+        self.counters = {"submitted": 0, "refused": 0, "aborted": 0, "malformed": 0,
+                         "clients_gone": 0, "slow_clients": 0}
+
+    async def on_start(self) -> None:
+        self.tokenizer = self.ref(self.tokenizer_name)
+        sock = shared_context().socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.SNDHWM, _CLIENT_HWM)
+            sock.setsockopt(zmq.RCVHWM, _CLIENT_HWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, _ZMQ_MAX_MESSAGE_BYTES)
+            sock.bind(self.address)  # raises (address in use, bad address): the actor crashes
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._socket = sock
+        self.spawn(self._serve_clients)
+        self.log.info("zmq endpoint listening", address=self.address)
+
+    async def on_stop(self) -> None:
+        engine_rids = [r.engine_rid for r in self.live.values() if r.accepted]
+        self.live.clear()
+        self.clients.clear()
+        if engine_rids:
+            with anyio.move_on_after(2):
+                await self.tokenizer.send(AbortGeneration(client_rids=engine_rids))
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+    def stats(self) -> dict[str, int | float]:
+        return {"live_requests": len(self.live), "clients": len(self.clients), **self.counters}
+
+    # ---- client frames -----------------------------------------------------------------------
+
+    async def _serve_clients(self) -> None:
+        assert self._socket is not None
+        while True:
+            frames = await self._socket.recv_multipart()
+            await self._on_frames(frames)
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 2:
+            self.counters["malformed"] += 1
+            self._error(identity, ERR_MALFORMED,
+                        f"expected exactly one frame per message, got {len(frames) - 1}")
+            return
+        message = self.codec.decode(frames[1])
+        if isinstance(message, DecodeFailure):
+            self.counters["malformed"] += 1
+            self._error(identity, ERR_MALFORMED, f"undecodable frame: {message}"[:2000])
+            return
+        if isinstance(message, ClientSubmit):
+            self._on_submit(identity, message)
+        elif isinstance(message, ClientAbort):
+            route = self.clients.get(identity, {}).get(message.request_id)
+            if route is not None:
+                await self._abort(route)
+
+    def _on_submit(self, identity: bytes, msg: ClientSubmit) -> None:
+        rid = msg.request_id
+        if not rid or len(rid) > MAX_REQUEST_ID_CHARS:
+            self._error(identity, ERR_MALFORMED,
+                        f"request_id must have 1..{MAX_REQUEST_ID_CHARS} characters", rid)
+            return
+        routes = self.clients.setdefault(identity, {})
+        if rid in routes:
+            self._error(identity, ERR_DUPLICATE_ID, f"request {rid!r} is already running", rid)
+            return
+        route = _Route(identity, rid, f"{self._prefix}-{next(self._ids)}", msg.stream)
+        routes[rid] = route
+        self.live[route.engine_rid] = route
+        self.counters["submitted"] += 1
+        self.spawn(self._submit, route, msg)
+
+    async def _submit(self, route: _Route, msg: ClientSubmit) -> None:
+        request = GenerateRequest(
+            client_rid=route.engine_rid,
+            reply_to=self.name,
+            params=msg.params,
+            prompt=msg.prompt,
+            prompt_ids=msg.prompt_ids,
+            messages=msg.messages,
+        )
+        try:
+            await self.tokenizer.call(request, expect=Accepted)
+        except RemoteError as exc:
+            code = ERR_INVALID_REQUEST if exc.reply.code == ENGINE_INVALID_REQUEST else ERR_ENGINE
+            self._refuse(route, code, exc.reply.message)
+            return
+        except (TimeoutError, ChannelClosed) as exc:
+            self._refuse(route, ERR_ENGINE, f"{type(exc).__name__}: {exc}")
+            return
+        except Exception as exc:  # a client's request must never crash the endpoint
+            self.log.error("submit failed", request_id=route.request_id, exc_info=exc)
+            self._refuse(route, ERR_ENGINE, f"{type(exc).__name__}: {exc}")
+            return
+        route.accepted = True
+        if route.aborted:  # the client aborted while the request was being submitted
+            await self.tokenizer.send(AbortGeneration(client_rids=[route.engine_rid]))
+
+    def _refuse(self, route: _Route, code: str, message: str) -> None:
+        self.counters["refused"] += 1
+        if route.aborted:
+            return  # the client already got its final frame
+        self._forget(route)
+        self._error(route.identity, code, message, route.request_id)
+
+    async def _abort(self, route: _Route) -> None:
+        """The client's ClientAbort: its final frame now, the engine told after."""
+        self._forget(route)
+        route.aborted = True
+        self.counters["aborted"] += 1
+        self._send(route.identity, ClientChunk(
+            request_id=route.request_id, finish_reason=FINISH_ABORT, usage=route.usage()
+        ))
+        if route.accepted:
+            await self.tokenizer.send(AbortGeneration(client_rids=[route.engine_rid]))
+
+    def _forget(self, route: _Route) -> None:
+        self.live.pop(route.engine_rid, None)
+        routes = self.clients.get(route.identity)
+        if routes is not None:
+            routes.pop(route.request_id, None)
+            if not routes:
+                del self.clients[route.identity]
+
+    # ---- engine output -----------------------------------------------------------------------
+
+    async def handle(self, msg, sender):
+        dropped: list[_Route] = []  # routes whose client can no longer be written to
+        for chunk in msg.chunks:
+            route = self.live.get(chunk.client_rid)
+            if route is None:
+                continue  # aborted, or its client is gone
+            outcome = self._forward(route, chunk)
+            if outcome == "gone":
+                dropped.extend(self.clients.get(route.identity, {}).values())
+                for other in self.clients.get(route.identity, {}).copy().values():
+                    self._forget(other)
+            elif outcome == "full":
+                self.counters["slow_clients"] += 1
+                self._error(route.identity, ERR_SLOW_CLIENT,
+                            "the client stopped reading; request aborted", route.request_id)
+                self._forget(route)
+                dropped.append(route)
+            elif chunk.finish_reason is not None:
+                self._forget(route)
+        # One message aborts every request of this batch whose client went away.
+        engine_rids = []
+        for route in dropped:
+            route.aborted = True
+            self.counters["aborted"] += 1
+            if route.accepted:
+                engine_rids.append(route.engine_rid)
+        if engine_rids:
+            await self.tokenizer.send(AbortGeneration(client_rids=engine_rids))
+        return None
+
+    def _forward(self, route: _Route, chunk: OutputChunk) -> str:
+        """Send what `chunk` adds to the route's client: "ok", "gone" or "full"."""
+        route.prompt_tokens = chunk.prompt_tokens
+        route.completion_tokens = chunk.completion_tokens
+        route.cached_tokens = chunk.cached_tokens
+        final = chunk.finish_reason is not None
+        if route.stream:
+            frame = ClientChunk(
+                request_id=route.request_id,
+                text=chunk.text,
+                token_ids=list(chunk.token_ids),
+                finish_reason=chunk.finish_reason,
+                usage=route.usage() if final else None,
+                logprobs=list(chunk.logprobs),
+            )
+            return self._send(route.identity, frame)
+        if chunk.text:
+            route.texts.append(chunk.text)
+        route.token_ids.extend(chunk.token_ids)
+        route.logprobs.extend(chunk.logprobs)
+        if not final:
+            return "ok"
+        frame = ClientChunk(
+            request_id=route.request_id,
+            text="".join(route.texts),
+            token_ids=route.token_ids,
+            finish_reason=chunk.finish_reason,
+            usage=route.usage(),
+            logprobs=route.logprobs,
+        )
+        return self._send(route.identity, frame)
+
+    # ---- sending -----------------------------------------------------------------------------
+
+    def _send(self, identity: bytes, frame: ClientChunk | ClientError) -> str:
+        """Queue one frame without waiting: "ok", "gone" (no such peer) or "full"."""
+        sock = self._socket
+        if sock is None:
+            return "gone"
+        sent = sock.send_multipart([identity, self.codec.encode(frame)], flags=zmq.NOBLOCK)
+        # pyzmq resolves a NOBLOCK send at once: the future is already done here.
+        error = sent.exception()
+        if error is None:
+            return "ok"
+        if isinstance(error, zmq.Again):
+            return "full"
+        if isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
+            self.counters["clients_gone"] += 1
+            return "gone"
+        raise error
+
+    def _error(self, identity: bytes, code: str, message: str, request_id: str | None = None
+               ) -> None:
+        self._send(identity, ClientError(code=code, message=message, request_id=request_id))

@@ -1,0 +1,211 @@
+"""A real `bin/engine serve` process for the gateway and ZeroMQ client tests.
+
+`server` is a session fixture: the first test module that asks for it starts
+`python -m actors.cli serve` (HTTP gateway + ZeroMQ endpoint, API key on, KV debug checks
+on) as a subprocess and waits for /health 200; every module shares that process; the last
+teardown sends SIGTERM and asserts the process exits with status 0 within 15 s, leaving no
+process of its session behind. Helpers read /metrics and wait for the engine to go idle.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from transport.address import pick_free_tcp_port
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "kvactor-test-key"
+MODEL_NAME = "gemma-3-270m"
+NUM_PAGES = 512
+CONTEXT_LEN = 2048
+PAGE_SIZE = 16
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 15.0
+
+
+@dataclass
+class ServerHandle:
+    base_url: str  # http://127.0.0.1:<port>
+    zmq_address: str  # tcp://127.0.0.1:<port>
+    api_key: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+
+def start_server(*, api_key: str = API_KEY, extra: list[str] | None = None) -> ServerHandle:
+    port = pick_free_tcp_port()
+    zmq_port = pick_free_tcp_port(exclude={port})
+    sets = [
+        f"kv.num_pages={NUM_PAGES}",
+        f"kv.context_len={CONTEXT_LEN}",
+        f"kv.page_size={PAGE_SIZE}",
+        "kv.max_rows=40",
+        "scheduler.max_running_requests=32",
+        "scheduler.chunk_size=256",
+        "engine.debug_checks=true",
+        # fp32: the tests compare texts across batch compositions (n > 1 vs alone, HTTP vs
+        # ZeroMQ), which batch invariance guarantees in fp32 (tests/test_batch_invariance.py).
+        "model.dtype=float32",
+        "model.threads=1",
+        *(extra or []),
+    ]
+    cmd = [
+        sys.executable, "-m", "actors.cli", "serve",
+        "--port", str(port),
+        "--zmq", f"tcp://127.0.0.1:{zmq_port}",
+        "--api-key", api_key,
+    ]
+    for s in sets:
+        cmd += ["--set", s]
+    log = tempfile.NamedTemporaryFile(prefix="kvactor-server-", suffix=".log", delete=False)
+    process = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    log.close()
+    handle = ServerHandle(
+        base_url=f"http://127.0.0.1:{port}",
+        zmq_address=f"tcp://127.0.0.1:{zmq_port}",
+        api_key=api_key,
+        process=process,
+        log_path=Path(log.name),
+    )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{handle.log_tail()}")
+        try:
+            if httpx.get(f"{handle.base_url}/health", timeout=2.0).status_code == 200:
+                return handle
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop_server(handle, check=False)
+            raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s:\n"
+                               f"{handle.log_tail()}")
+        time.sleep(0.25)
+
+
+def stop_server(handle: ServerHandle, *, check: bool = True) -> None:
+    """SIGTERM; with `check`, assert a clean exit (status 0, no process left in its group)."""
+    process = handle.process
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        code = process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        if check:
+            pytest.fail(f"server ignored SIGTERM for {STOP_TIMEOUT_S} s:\n{handle.log_tail()}")
+        return
+    leftovers = _group_alive(process.pid)
+    if leftovers:
+        os.killpg(process.pid, signal.SIGKILL)
+    if check:
+        assert code == 0, f"server exited with {code}:\n{handle.log_tail()}"
+        assert not leftovers, "processes of the server's session outlived it"
+    if code == 0 and not leftovers:
+        handle.log_path.unlink(missing_ok=True)  # kept (for reading) after a failure
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+_shared: ServerHandle | None = None
+_users = 0
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The shared server (one process for every module that imports this fixture)."""
+    global _shared, _users
+    if _shared is None or _shared.process.poll() is not None:
+        _shared = start_server()
+    _users += 1
+    try:
+        yield _shared
+    finally:
+        _users -= 1
+        if _users == 0:
+            handle, _shared = _shared, None
+            stop_server(handle)
+
+
+# ---- reading the server's state -------------------------------------------------------------
+
+
+def scrape_metrics(handle: ServerHandle) -> dict[str, float]:
+    """/metrics as {"name{labels}": value} (comments dropped)."""
+    resp = httpx.get(f"{handle.base_url}/metrics", timeout=10.0)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/plain")
+    out: dict[str, float] = {}
+    for line in resp.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        out[key] = float(value)
+    return out
+
+
+KV_KEYS = (
+    'kvactor_kv_pages{state="free"}',
+    'kvactor_kv_pages{state="held"}',
+    'kvactor_kv_pages{state="tree"}',
+    'kvactor_kv_pages{state="session"}',
+    "kvactor_kv_request_records",
+    "kvactor_kv_held_rows",
+    "kvactor_num_requests_running",
+    "kvactor_num_requests_waiting",
+    "kvactor_num_requests_prefilling",
+)
+
+
+def engine_figures(handle: ServerHandle) -> dict[str, float]:
+    m = scrape_metrics(handle)
+    return {k: m[k] for k in KV_KEYS}
+
+
+def is_idle(figures: dict[str, float]) -> bool:
+    return (
+        figures['kvactor_kv_pages{state="held"}'] == 0
+        and figures["kvactor_kv_request_records"] == 0
+        and figures["kvactor_num_requests_running"] == 0
+        and figures["kvactor_num_requests_waiting"] == 0
+        and figures["kvactor_num_requests_prefilling"] == 0
+    )
+
+
+def wait_idle(handle: ServerHandle, timeout_s: float = 30.0) -> tuple[dict[str, float], float]:
+    """Poll /metrics until no request runs or holds KV; (figures, seconds waited)."""
+    t0 = time.monotonic()
+    while True:
+        figures = engine_figures(handle)
+        waited = time.monotonic() - t0
+        if is_idle(figures):
+            return figures, waited
+        if waited > timeout_s:
+            raise AssertionError(f"engine not idle after {timeout_s} s: {figures}")
+        time.sleep(0.05)

@@ -1,0 +1,102 @@
+"""The ZeroMQ client protocol: frames between external clients and the engine's endpoint.
+
+Transport
+---------
+The engine binds a ZeroMQ ROUTER socket (`bin/engine serve --zmq tcp://127.0.0.1:5557`,
+actor `actors.zmq_endpoint.ZmqEndpointActor`). A client connects a DEALER socket to it
+(`transport.client.KvactorClient` does this) and exchanges single-frame messages:
+
+    client -> engine   [payload]          (the ROUTER sees [client identity, payload])
+    engine -> client   [payload]
+
+A REQ socket does not fit (it adds an empty delimiter frame and allows one request at a
+time); use DEALER. Every payload is one msgpack map: a tagged msgspec Struct whose tag field `type` is the
+class name, e.g. `{"type": "ClientSubmit", "request_id": "r1", ...}`. Decoding is strict:
+an unknown tag, an unknown field, a missing required field or a wrong type is refused.
+Payloads above `MAX_CLIENT_FRAME_BYTES` are refused. A client may keep many requests in
+flight on one socket; every engine frame names the client's `request_id`.
+
+Client -> engine
+----------------
+`ClientSubmit`  start a generation. Exactly one of `prompt` (text), `prompt_ids` (token
+                ids) or `messages` (chat turns, rendered with the model's chat template).
+                `params` are the engine's `GenerationParams` (validated by the engine:
+                max_tokens >= 1, temperature in [0, 2], ...). `stream=True`: one
+                `ClientChunk` per engine step; `stream=False`: a single final `ClientChunk`
+                holding the whole text. `request_id` is chosen by the client and must be
+                unique among that client's live requests.
+`ClientAbort`   end a live request. The engine answers with a final `ClientChunk` whose
+                `finish_reason` is "abort" (unknown ids are ignored).
+
+Engine -> client
+----------------
+`ClientChunk`   output of one request: new `text`, new `token_ids`, per-token `logprobs`
+                when asked for. The last chunk of a request has a `finish_reason`
+                ("stop", "length" or "abort") and `usage`; no frame follows it.
+`ClientError`   a refusal. With a `request_id` it ends that request (nothing else will
+                follow for it); with `request_id = None` it answers a frame that could not
+                be decoded at all. `code` is one of the ERR_* values below.
+
+A client that disconnects (its socket closes) has its live requests aborted. A client
+that does not read its frames until the engine's send queue to it is full has the
+request being written to aborted (`ClientError`, code "slow_client" when deliverable).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from transport.messages.base import Message
+from transport.messages.engine import ChatMessage, GenerationParams, TokenLogprob
+
+MAX_CLIENT_FRAME_BYTES: Final = 4 * 1024 * 1024
+MAX_REQUEST_ID_CHARS: Final = 256
+
+# ClientError.code values.
+ERR_MALFORMED: Final = "malformed_frame"  # not one decodable client frame
+ERR_INVALID_REQUEST: Final = "invalid_request"  # refused by validation (bad params, prompt)
+ERR_DUPLICATE_ID: Final = "duplicate_request_id"  # the id is live on this client already
+ERR_SLOW_CLIENT: Final = "slow_client"  # the client stopped reading; request aborted
+ERR_ENGINE: Final = "engine_error"  # the engine failed to take the request
+
+FINISH_ABORT: Final = "abort"
+
+
+class ClientSubmit(Message):
+    request_id: str
+    params: GenerationParams = GenerationParams()
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    stream: bool = True
+
+
+class ClientAbort(Message):
+    request_id: str
+
+
+class ClientUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class ClientChunk(Message):
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    usage: ClientUsage | None = None  # on the last chunk of a request
+    logprobs: list[TokenLogprob] = []
+
+
+class ClientError(Message):
+    code: str
+    message: str
+    request_id: str | None = None
+
+
+ClientRequestFrame = ClientSubmit | ClientAbort
+ClientReplyFrame = ClientChunk | ClientError
