@@ -115,6 +115,7 @@ class EngineClient:
         messages: list[ChatMessage] | None = None,
         client_rid: str | None = None,
         on_accepted=None,
+        add_generation_prompt: bool = True,
     ) -> AsyncIterator[OutputChunk]:
         rid = client_rid or self.new_rid()
         recv = self.router.open(rid)
@@ -129,6 +130,7 @@ class EngineClient:
                         prompt=prompt,
                         prompt_ids=prompt_ids,
                         messages=messages,
+                        add_generation_prompt=add_generation_prompt,
                     ),
                     expect=Accepted,
                 )

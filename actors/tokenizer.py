@@ -37,6 +37,7 @@ from transport.messages.engine import (
 
 ERR_INVALID_REQUEST = "invalid_request"  # ErrorReply code for bad client input (HTTP 400)
 MAX_STOP_STRINGS = 16
+OFFLOAD_ENCODE_CHARS = 8192  # longer prompts are tokenized in a worker thread
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 
@@ -137,7 +138,7 @@ class TokenizerActor(Actor):
             return None
         raise TypeError(f"unexpected message {type(msg).__name__}")
 
-    def encode_prompt(self, msg: GenerateRequest) -> list[int]:
+    async def encode_prompt(self, msg: GenerateRequest) -> list[int]:
         given = [x is not None for x in (msg.prompt, msg.prompt_ids, msg.messages)]
         if sum(given) != 1:
             raise BadRequest("give exactly one of prompt, prompt_ids, messages")
@@ -149,7 +150,7 @@ class TokenizerActor(Actor):
         if msg.prompt is not None:
             if not msg.prompt:
                 raise BadRequest("prompt is empty")
-            return self.bundle.encode(msg.prompt)
+            return await self._encode(msg.prompt, True)
         template = self.bundle.chat_template
         if not template:
             raise BadRequest("this model has no chat template; use a plain prompt")
@@ -163,14 +164,21 @@ class TokenizerActor(Actor):
             )
         except ChatTemplateError as exc:
             raise BadRequest(f"messages: {exc}") from None
-        return self.bundle.encode(text, add_special_tokens=False)
+        return await self._encode(text, False)
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # Long texts are encoded off the event loop so the scheduler and the gateway,
+        # which share it, keep running while a big prompt is tokenized.
+        if len(text) < OFFLOAD_ENCODE_CHARS:
+            return self.bundle.encode(text, add_special_tokens=add_special_tokens)
+        return await anyio.to_thread.run_sync(self.bundle.encode, text, add_special_tokens)
 
     async def _on_generate(self, msg: GenerateRequest) -> Accepted:
         if msg.client_rid in self.by_client:
             raise BadRequest(f"request id {msg.client_rid!r} is already running")
         p = msg.params
         validate_params(p, self.vocab)
-        ids = self.encode_prompt(msg)
+        ids = await self.encode_prompt(msg)
         if not ids:
             raise BadRequest("prompt is empty")
         if len(ids) >= self.context_len:
