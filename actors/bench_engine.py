@@ -113,6 +113,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--hf-threads", type=int, default=2, help="torch threads for HF's run")
     ap.add_argument("--config")
     ap.add_argument("--set", action="append", default=[])
     args = ap.parse_args()
@@ -129,9 +130,10 @@ def main() -> int:
         f"  batch {args.batch}: {ours['batch_tok_s']:.1f} tok/s ({ours['batch_wall_s']:.1f}s)"
     )
     if not args.no_hf:
+        torch.set_num_threads(args.hf_threads)
         hf = _hf(prompts, single, args.new_tokens, tok.pad_id or 0)
         print(
-            f"HF       single: {hf['single_tok_s']:.1f} tok/s"
+            f"HF fp32 ({args.hf_threads} threads) single: {hf['single_tok_s']:.1f} tok/s"
             f"  batch {args.batch}: {hf['batch_tok_s']:.1f} tok/s ({hf['batch_wall_s']:.1f}s)"
         )
         print(
