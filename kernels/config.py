@@ -13,6 +13,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+
+class UnsupportedModelError(ValueError):
+    """The model asks for a feature kvactor does not implement (a clear error at load)."""
+
 ArchName = Literal["gemma3", "llama", "qwen2", "qwen3"]
 LayerType = Literal["full_attention", "sliding_attention"]
 SUPPORTED_ARCHS: tuple[str, ...] = ("gemma3", "llama", "qwen2", "qwen3")
@@ -39,7 +43,7 @@ class RopeSpec:
         params = dict(params or {})
         kind = params.get("rope_type", params.get("type", "default")) or "default"
         if kind not in ("default", "linear", "llama3"):
-            raise NotImplementedError(f"rope type {kind!r} is not supported")
+            raise UnsupportedModelError(f"rope type {kind!r} is not supported")
         return cls(
             theta=float(params.get("rope_theta", default_theta)),
             kind=kind,

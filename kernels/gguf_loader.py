@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kernels.config import ModelConfig, RopeSpec, gemma3_layer_types
+from kernels.config import ModelConfig, RopeSpec, UnsupportedModelError, gemma3_layer_types
 
 # Bump when the conversion changes, so stale weight caches are rebuilt.
 CONVERTER_VERSION = "1"
@@ -161,7 +161,7 @@ def read_gguf_config(gguf_path: str | Path, reader=None) -> ModelConfig:
     reader = reader or gguf.GGUFReader(str(gguf_path))
     arch = _field(reader, "general.architecture")
     if arch != "gemma3":
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; load Llama/Qwen from a HF folder"
         )
 

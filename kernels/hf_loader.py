@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels.config import ModelConfig, RopeSpec
+from kernels.config import ModelConfig, RopeSpec, UnsupportedModelError
 
 _ARCH_BY_MODEL_TYPE = {
     "llama": "llama",
@@ -52,7 +52,7 @@ def _rope_specs(cfg, arch: str) -> tuple[RopeSpec, RopeSpec]:
                                  default_theta)
         return full, local
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise NotImplementedError("partial rotary embeddings are not supported")
+        raise UnsupportedModelError("partial rotary embeddings are not supported")
     spec = RopeSpec.from_hf(params, default_theta)
     return spec, spec
 
@@ -76,10 +76,10 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     cfg = _hf_text_config(folder)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in _ARCH_BY_MODEL_TYPE:
-        raise NotImplementedError(f"HF model_type {model_type!r} is not supported")
+        raise UnsupportedModelError(f"HF model_type {model_type!r} is not supported")
     arch = _ARCH_BY_MODEL_TYPE[model_type]
     if getattr(cfg, "mlp_bias", False):
-        raise NotImplementedError("mlp_bias is not supported")
+        raise UnsupportedModelError("mlp_bias is not supported")
     num_heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
     num_layers = int(cfg.num_hidden_layers)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.config import RopeSpec
+from kernels.config import RopeSpec, UnsupportedModelError
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +58,7 @@ def activation(name: str):
         return F.silu
     if name == "gelu":
         return F.gelu
-    raise NotImplementedError(f"activation {name!r}")
+    raise UnsupportedModelError(f"activation {name!r}")
 
 
 class GatedMLP(nn.Module):
@@ -93,7 +93,7 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> Tensor:
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
     elif spec.kind != "default":
-        raise NotImplementedError(f"rope kind {spec.kind!r}")
+        raise UnsupportedModelError(f"rope kind {spec.kind!r}")
     return inv_freq
 
 
