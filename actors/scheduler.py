@@ -352,7 +352,7 @@ class SchedulerActor(Actor):
         if self.waiting and budget > 0:
             admitted = await self._pick_admissions(budget)
             for req in admitted:
-                take = min(self.chunk_size, budget)
+                take = min(self.chunk_size, budget, req.num_tokens)
                 items.append((req, take))
                 budget -= take
                 if budget <= 0:
@@ -408,7 +408,7 @@ class SchedulerActor(Actor):
                 break
             reserved += need
             picked.append(req)
-            budget -= min(self.chunk_size, budget)
+            budget -= min(self.chunk_size, budget, req.num_tokens)
         return picked
 
     def _future_pages(self, req: Req) -> int:
