@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from actors.runtime import Actor
-from transport.messages.runner import ForwardBatchMsg, SamplingSpec, StepResultMsg
+from transport.messages.runner import ForwardBatchMsg, StepResultMsg
 
 _DTYPES = {
     "float32": torch.float32,
@@ -97,14 +97,13 @@ class ModelRunnerActor(Actor):
 
     def _step(self, msg: ForwardBatchMsg) -> StepResultMsg:
         from kernels.forward_batch import ForwardBatch, SlotDeltas
-        from kernels.sampling import SamplingParams
 
         t0 = time.perf_counter()
         sampler = self.sampler
         for rid in msg.finished_rids:
             sampler.remove_request(rid)
-        for spec in msg.new_reqs:
-            sampler.add_request(spec.rid, _params(spec, SamplingParams), list(spec.prompt_ids))
+        for new in msg.new_reqs:
+            sampler.add_request(new.rid, new.params, list(new.prompt_ids))
         if not msg.rids:
             return StepResultMsg(step=msg.step, rids=[], tokens=[])
         ends = np.cumsum(msg.extend_lens)
@@ -146,18 +145,3 @@ class ModelRunnerActor(Actor):
 
     def stats(self) -> dict[str, int | float]:
         return {"runner_steps": self.steps, "runner_forward_s": round(self.forward_s, 3)}
-
-
-def _params(spec: SamplingSpec, cls):
-    return cls(
-        temperature=spec.temperature,
-        top_k=spec.top_k,
-        top_p=spec.top_p,
-        min_p=spec.min_p,
-        seed=None if spec.seed < 0 else spec.seed,
-        repetition_penalty=spec.repetition_penalty,
-        frequency_penalty=spec.frequency_penalty,
-        presence_penalty=spec.presence_penalty,
-        logprobs=spec.logprobs,
-        top_logprobs=spec.top_logprobs,
-    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from actors.allocator.prefix_port import insert_and_relock, match_and_lock
 from actors.runtime import Actor
 from kvcore import RadixTree
 from transport.messages.radix import (
@@ -37,11 +36,10 @@ class RadixCacheActor(Actor):
     async def handle(self, msg, sender):
         tree = self.tree
         if isinstance(msg, MatchAndLock):
-            m = match_and_lock(tree, np.asarray(msg.tokens, dtype=np.int64))
+            m = tree.match_and_lock(np.asarray(msg.tokens, dtype=np.int64))
             return MatchReply(length=m.length, slots=m.slots.tolist(), node_id=m.node_id)
         if isinstance(msg, InsertPrefix):
-            res = insert_and_relock(
-                tree,
+            res = tree.insert_and_relock(
                 np.asarray(msg.tokens, dtype=np.int64),
                 np.asarray(msg.slots, dtype=np.int64),
                 None if msg.unlock_node < 0 else msg.unlock_node,

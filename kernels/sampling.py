@@ -1,7 +1,7 @@
 """Batched per-request token sampling.
 
 Owns the step from float32 logits [B, V] to one token per request, with each request's own
-``SamplingParams`` and state (seeded generator, penalty counts). Semantics follow vLLM/OpenAI:
+parameters (``SamplingKnobs``) and state (seeded generator, penalty counts). Semantics follow vLLM/OpenAI:
 
 1. penalties (in place on ``logits``): repetition_penalty over prompt + output tokens (divide a
    positive logit, multiply a negative one), then ``frequency_penalty * count`` and
@@ -37,72 +37,66 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-from numbers import Integral, Real
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-MAX_TOP_LOGPROBS = 20
 # First candidate count tried when a top-p row has no top-k; grows x16 (then to the whole
 # vocabulary) until the nucleus fits.
 TOP_P_FIRST_CANDIDATES = 256
 SUBNORMAL_LOG_FLOOR = -87.0
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = -1  # -1 (or 0) = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: bool = False
-    top_logprobs: int = 0
+class SamplingKnobs(Protocol):
+    """What the sampler reads of a request's parameters (the engine's `GenerationParams`).
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first out-of-range (or mistyped) field.
+    The sampler trusts them: validation happens once, where requests enter the engine.
+    """
 
-        Mistyped fields raise ValueError too, so callers map every bad field to one error.
-        """
-        _require_real("temperature", self.temperature)
-        if not 0.0 <= self.temperature <= 1e4:
-            raise ValueError(
-                f"temperature must be in [0, 1e4] (0 = greedy), got {self.temperature}")
-        _require_int("top_k", self.top_k)
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
-        _require_real("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _require_real("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None:
-            _require_int("seed", self.seed)
-            if not 0 <= self.seed < 2**64:
-                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-        _require_real("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise ValueError(
-                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            _require_real(name, value)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if not isinstance(self.logprobs, bool):
-            raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")  # noqa: TRY004
-        _require_int("top_logprobs", self.top_logprobs)
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(
-                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        if self.top_logprobs > 0 and not self.logprobs:
-            raise ValueError("top_logprobs > 0 requires logprobs=True")
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    logprobs: bool
+    top_logprobs: int
+
+
+@dataclass(frozen=True, slots=True)
+class RowParams:
+    """The sampler's per-request form of the parameters, derived once at registration."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    logprobs: bool
+    top_logprobs: int
+
+    @classmethod
+    def of(cls, p: SamplingKnobs) -> RowParams:
+        return cls(
+            temperature=float(p.temperature),
+            top_k=int(p.top_k),
+            top_p=float(p.top_p),
+            min_p=float(p.min_p),
+            seed=p.seed,
+            repetition_penalty=float(p.repetition_penalty),
+            frequency_penalty=float(p.frequency_penalty),
+            presence_penalty=float(p.presence_penalty),
+            logprobs=bool(p.logprobs),
+            top_logprobs=int(p.top_logprobs) if p.logprobs else 0,
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -120,16 +114,6 @@ class SamplingParams:
     @property
     def uses_top_p(self) -> bool:
         return self.top_p < 1.0
-
-
-def _require_real(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-
-
-def _require_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")  # noqa: TRY004
 
 
 class _GrowableIds:
@@ -173,7 +157,7 @@ class SamplerState:
     kept when repetition_penalty != 1).
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int]) -> None:
+    def __init__(self, params: RowParams, prompt_ids: list[int]) -> None:
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -213,7 +197,7 @@ class Sampler:
 
     ``num_threads``: torch intra-op threads while sampling (None = leave the process setting).
     The work is a handful of memory-bound passes; on a busy 2-core box one thread avoids
-    OpenMP barrier stalls that cost ~40 ms per step at B=1 (see kernels/bench_lm_head.py).
+    OpenMP barrier stalls (measure with `bin/engine bench lm_head --sampler`).
     """
 
     def __init__(self, num_threads: int | None = None) -> None:
@@ -232,11 +216,11 @@ class Sampler:
     def __contains__(self, rid: int) -> bool:
         return rid in self._states
 
-    def add_request(self, rid: int, params: SamplingParams, prompt_ids: list[int]) -> None:
+    def add_request(self, rid: int, params: SamplingKnobs, prompt_ids: list[int]) -> None:
+        """Register `rid` with its (already validated) parameters."""
         if rid in self._states:
             raise ValueError(f"request {rid} is already registered with the sampler")
-        params.validate()
-        self._states[rid] = SamplerState(params, prompt_ids)
+        self._states[rid] = SamplerState(RowParams.of(params), prompt_ids)
 
     def remove_request(self, rid: int) -> None:
         self._states.pop(rid, None)
@@ -439,7 +423,7 @@ class _Candidates:
 # reduction is per row and sequential, and the candidate count only bounds the search, so a
 # row's cut-off does not depend on which other rows share the batch.
 
-def _top_k_cuts(matrix: Tensor, params: list[SamplingParams]
+def _top_k_cuts(matrix: Tensor, params: list[RowParams]
                 ) -> tuple[np.ndarray, list[_Candidates]]:
     """Per row of ``matrix``: the top-k cut-off (raised to the top-p one where top_p < 1)."""
     vocab = matrix.shape[1]
@@ -474,7 +458,7 @@ def _top_k_cuts(matrix: Tensor, params: list[SamplingParams]
     return cuts, fetched
 
 
-def _top_p_cuts(matrix: Tensor, params: list[SamplingParams], scratch: Tensor
+def _top_p_cuts(matrix: Tensor, params: list[RowParams], scratch: Tensor
                 ) -> tuple[np.ndarray, list[_Candidates | None]]:
     """Per row of ``matrix`` (no top-k): the top-p cut-off, fetching more candidates as needed."""
     rows, vocab = matrix.shape
@@ -508,7 +492,7 @@ def _top_p_cuts(matrix: Tensor, params: list[SamplingParams], scratch: Tensor
     return cuts, fetched
 
 
-def _logprobs(logits: Tensor, tokens: Tensor, params: list[SamplingParams], scratch: Tensor
+def _logprobs(logits: Tensor, tokens: Tensor, params: list[RowParams], scratch: Tensor
               ) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
     """Log-probs under log_softmax(logits) for the rows that asked (``scratch``: [rows, V])."""
     rows = [i for i, p in enumerate(params) if p.logprobs]

@@ -156,6 +156,29 @@ class RadixTree:
         tree_slots = np.concatenate(parts) if parts else _EMPTY.copy()
         return InsertResult(end if existing is None else existing, node.id, tree_slots)
 
+    # ---- the allocator's two compound operations ------------------------------------------
+    def match_and_lock(self, tokens) -> MatchResult:
+        """`match_prefix`, then lock the matched node (when anything matched)."""
+        result = self.match_prefix(tokens)
+        if result.length:
+            self.inc_lock_ref(result.node_id)
+        return result
+
+    def insert_and_relock(
+        self, tokens, slots, unlock_node: int | None, lock_new: bool
+    ) -> InsertResult:
+        """`insert`, then move a request's lock from `unlock_node` to the inserted path.
+
+        The new path is locked before the old one is unlocked, so no node they share is
+        evictable in between.
+        """
+        result = self.insert(tokens, slots)
+        if lock_new and result.node_id != self.ROOT_ID:
+            self.inc_lock_ref(result.node_id)
+        if unlock_node is not None:
+            self.dec_lock_ref(unlock_node)
+        return result
+
     # ---- locks ---------------------------------------------------------------------------
     def inc_lock_ref(self, node_id: int) -> None:
         node = self._nodes[node_id]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from actors.bench_engine import natural_text
-from actors.engine import EngineConfig, ServingEngine
+from actors.app.corpus import natural_text
+from actors.app.serving import EngineConfig, ServingEngine
 
 
 def small_config(**overrides) -> EngineConfig:

@@ -1,7 +1,7 @@
 """A real `bin/engine serve` process for the gateway and ZeroMQ client tests.
 
 `server` is a session fixture: the first test module that asks for it starts
-`python -m actors.cli serve` (HTTP gateway + ZeroMQ endpoint, API key on, KV debug checks
+`python -m actors.app.cli serve` (HTTP gateway + ZeroMQ endpoint, API key on, KV debug checks
 on) as a subprocess and waits for /health 200; every module shares that process; the last
 teardown sends SIGTERM and asserts the process exits with status 0 within 15 s, leaving no
 process of its session behind. Helpers read /metrics and wait for the engine to go idle.
@@ -67,7 +67,7 @@ def start_server(*, api_key: str = API_KEY, extra: list[str] | None = None) -> S
         *(extra or []),
     ]
     cmd = [
-        sys.executable, "-m", "actors.cli", "serve",
+        sys.executable, "-m", "actors.app.cli", "serve",
         "--port", str(port),
         "--zmq", f"tcp://127.0.0.1:{zmq_port}",
         "--api-key", api_key,

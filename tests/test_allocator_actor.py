@@ -13,11 +13,8 @@ import random
 import anyio
 import pytest
 
-from actors.supervisor import ActorSpec, Engine
+from actors.runtime import ActorSpec, ActorSystem
 from transport.messages.alloc import (
-    RELEASE_ABORT,
-    RELEASE_FINISH,
-    RELEASE_RETRACT,
     AllocDecode,
     AllocDecodeReply,
     AllocExtend,
@@ -29,6 +26,7 @@ from transport.messages.alloc import (
     KvStatsRequest,
     ReleaseBatch,
     ReleaseItem,
+    ReleaseKind,
 )
 
 
@@ -103,7 +101,7 @@ async def drive_workload(alloc, seed: int, steps: int = 120) -> dict[str, int]:
                 victim = rng.choice(ready)
                 await alloc.call(
                     ReleaseBatch(
-                        items=[ReleaseItem(rid=victim, kind=RELEASE_RETRACT, tokens=tokens[victim])]
+                        items=[ReleaseItem(rid=victim, kind=ReleaseKind.RETRACT, tokens=tokens[victim])]
                     )
                 )
                 counts["retract"] += 1
@@ -119,12 +117,12 @@ async def drive_workload(alloc, seed: int, steps: int = 120) -> dict[str, int]:
                 continue
             r = rng.choice(held)
             finished = done[r] == len(tokens[r]) and rng.random() < 0.7
-            kind = RELEASE_FINISH if finished else RELEASE_ABORT
+            kind = ReleaseKind.FINISH if finished else ReleaseKind.ABORT
             await alloc.call(ReleaseBatch(items=[ReleaseItem(rid=r, kind=kind, tokens=tokens[r])]))
             counts["finish" if finished else "abort"] += 1
             del done[r], tokens[r]
     # Drain: abort everything still alive.
-    items = [ReleaseItem(rid=r, kind=RELEASE_ABORT) for r in tokens]
+    items = [ReleaseItem(rid=r, kind=ReleaseKind.ABORT) for r in tokens]
     await alloc.call(ReleaseBatch(items=items))
     return counts
 
@@ -132,7 +130,7 @@ async def drive_workload(alloc, seed: int, steps: int = 120) -> dict[str, int]:
 @pytest.mark.parametrize("transport", ["inproc", "ipc"])
 def test_allocator_actor_workload_keeps_invariants(transport):
     async def main():
-        async with Engine(kv_specs(), transport=transport) as engine:
+        async with ActorSystem(kv_specs(), transport=transport) as engine:
             alloc = engine.ref("allocator")
             counts = await drive_workload(alloc, seed=7)
             stats = await alloc.call(KvStatsRequest(check_invariants=True), expect=KvStats)
@@ -148,7 +146,7 @@ def test_allocator_actor_workload_keeps_invariants(transport):
 
 def test_bad_message_to_allocator_is_an_error_and_changes_nothing():
     async def main():
-        async with Engine(kv_specs(), transport="inproc") as engine:
+        async with ActorSystem(kv_specs(), transport="inproc") as engine:
             alloc = engine.ref("allocator")
             before = await alloc.call(KvStatsRequest(), expect=KvStats)
             from actors.runtime import RemoteError

@@ -17,7 +17,7 @@ from transport.address import (
     IpcDirectory,
     endpoint_for,
     ipc_path_of,
-    new_engine_id,
+    new_system_id,
     transport_of,
 )
 from transport.channel import (
@@ -53,12 +53,12 @@ def context() -> Iterator[zmq.asyncio.Context]:
 
 @pytest.fixture
 def endpoint_factory(tmp_path: Path) -> Iterator[object]:
-    engine_id = new_engine_id()
-    ipc_dir = IpcDirectory(engine_id)
+    system_id = new_system_id()
+    ipc_dir = IpcDirectory(system_id)
     ipc_dir.create()
 
     def make(transport: str, name: str = "server") -> str:
-        return endpoint_for(name, transport, engine_id)  # type: ignore[arg-type]
+        return endpoint_for(name, transport, system_id)  # type: ignore[arg-type]
 
     yield make
     ipc_dir.remove()
@@ -276,21 +276,21 @@ async def test_oversize_frames_are_refused_by_the_socket(
 
 
 def test_endpoints_and_ipc_directory(tmp_path: Path) -> None:
-    engine_id = new_engine_id()
-    assert endpoint_for("radix", "inproc", engine_id) == f"inproc://kvactor-{engine_id}/radix"
+    system_id = new_system_id()
+    assert endpoint_for("radix", "inproc", system_id) == f"inproc://kvactor-{system_id}/radix"
     long_name = "an-actor-name-that-is-much-too-long-for-a-unix-socket-path" * 3
-    ipc = endpoint_for(long_name, "ipc", engine_id)
+    ipc = endpoint_for(long_name, "ipc", system_id)
     path = ipc_path_of(ipc)
     assert path is not None and len(str(path)) <= 103
-    assert endpoint_for(long_name + "x", "ipc", engine_id) != ipc
-    tcp = endpoint_for("a", "tcp", engine_id)
+    assert endpoint_for(long_name + "x", "ipc", system_id) != ipc
+    tcp = endpoint_for("a", "tcp", system_id)
     assert tcp.startswith("tcp://127.0.0.1:") and int(tcp.rsplit(":", 1)[1]) > 0
     assert [transport_of(e) for e in (ipc, tcp)] == ["ipc", "tcp"]
     with pytest.raises(ValueError):
-        endpoint_for("a", "udp", engine_id)  # type: ignore[arg-type]
+        endpoint_for("a", "udp", system_id)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         endpoint_for("a", "ipc", "../escape")
-    with IpcDirectory(engine_id) as directory:
+    with IpcDirectory(system_id) as directory:
         assert directory.path.is_dir()
         (directory.path / "leftover.sock").write_text("")
     assert not directory.path.exists()

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from actors.chat_template import ChatTemplateError, normalize_messages, render_chat
+from actors.tokenizer.chat_template import ChatTemplateError, normalize_messages, render_chat
 from kernels.tokenizer_loader import GEMMA3_CHAT_TEMPLATE, load_tokenizer
 
 BOS, EOS = "<bos>", "<eos>"

@@ -34,5 +34,11 @@ def test_bad_arguments_fail_clearly():
     res = run_engine("generate", "x", "--set", "kv.no_such_key=1")
     assert res.returncode != 0
     assert "unknown config key kv.no_such_key" in res.stderr
+    # A bad value or an unknown key stops `serve` at once (before any actor or the model).
+    res = run_engine("serve", "--set", "kv.num_pages=abc", timeout=60)
+    assert res.returncode != 0 and "kv.num_pages" in res.stderr, res.stderr[-2000:]
+    assert "Expected `int`" in res.stderr
+    res = run_engine("serve", "--set", "server.hots=0.0.0.0", timeout=60)
+    assert res.returncode != 0 and "unknown config key server.hots" in res.stderr
     res = run_engine("frobnicate")
     assert res.returncode == 2 and "invalid choice" in res.stderr

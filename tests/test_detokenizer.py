@@ -14,7 +14,7 @@ import pytest
 import regex
 from tokenizers import Tokenizer, decoders
 
-from actors.detokenizer import (
+from actors.tokenizer.detokenizer import (
     HARD_PENDING_LIMIT,
     SOFT_PENDING_LIMIT,
     DetokDelta,

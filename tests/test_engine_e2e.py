@@ -13,8 +13,8 @@ import anyio
 import pytest
 import torch
 
-from actors.engine import ServingEngine
-from actors.frontend import GenerationError
+from actors.app.serving import ServingEngine
+from actors.frontends.base import GenerationError
 from kernels.gguf_loader import default_model_path
 from kernels.tokenizer_loader import load_tokenizer
 from tests.engine_fixtures import assert_balanced, natural_text, random_prompts, small_config

@@ -15,8 +15,9 @@ import httpx
 import openai
 import pytest
 
-from actors.engine import ServingEngine, serving_specs
-from actors.supervisor import ActorSpec
+from actors.app.serving import ServingEngine
+from actors.app.specs import serving_specs
+from actors.runtime import ActorSpec
 from tests.engine_fixtures import natural_text, small_config
 from tests.server_fixtures import (
     MODEL_NAME,
@@ -44,7 +45,7 @@ def client(server):  # noqa: F811
 
 
 @pytest.fixture(autouse=True)
-def engine_idle_after(server):  # noqa: F811
+def system_idle_after(server):  # noqa: F811
     yield
     figures, _ = wait_idle(server)
     assert figures['kvactor_kv_pages{state="held"}'] == 0
@@ -263,7 +264,7 @@ def test_ports_in_use_crash_the_server_loudly(server):  # noqa: F811
     """A second server on the running one's HTTP port, and one on its ZeroMQ address."""
     http_port = server.base_url.rsplit(":", 1)[1]
     free = str(pick_free_tcp_port())
-    base = [sys.executable, "-m", "actors.cli", "serve", "--set", "kv.num_pages=64"]
+    base = [sys.executable, "-m", "actors.app.cli", "serve", "--set", "kv.num_pages=64"]
     runs = [
         subprocess.Popen([*base, "--port", http_port], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True),
@@ -286,7 +287,7 @@ def test_in_process_engine_without_api_key():
     zmq_address = f"tcp://127.0.0.1:{zmq_port}"
     cfg = small_config(server__port=port)
     assert cfg.server.api_key == ""
-    watcher = ActorSpec("watcher", "actors.gateway.actor:GatewayActor",
+    watcher = ActorSpec("watcher", "actors.frontends.http.actor:GatewayActor",
                         dict(port=watcher_port, watched_actors=["tokenizer", "ghost"]))
 
     async def run() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine import generate_offline
+from actors.app.serving import generate_offline
 from tests.engine_fixtures import small_config
 from transport.messages.engine import GenerationParams
 

@@ -39,7 +39,7 @@ from tests.actors_for_tests import (
     ProbeTotal,
     TickerActor,
 )
-from transport.address import endpoint_for, new_engine_id
+from transport.address import endpoint_for, new_system_id
 from transport.channel import ClientChannel, ServerChannel
 from transport.codec import any_message_codec
 from transport.messages import (
@@ -82,8 +82,8 @@ class Harness:
 
 @asynccontextmanager
 async def running(actors: dict[str, Actor]) -> AsyncIterator[Harness]:
-    engine_id = new_engine_id()
-    harness = Harness({name: endpoint_for(name, "inproc", engine_id) for name in actors})
+    system_id = new_system_id()
+    harness = Harness({name: endpoint_for(name, "inproc", system_id) for name in actors})
     harness.refs = RefBook(harness.directory, sender="tester", call_timeout_s=5.0)
     mailboxes = []
 
@@ -278,7 +278,7 @@ async def test_background_timer_runs_and_its_failure_crashes_the_actor() -> None
 async def test_on_start_failure_is_a_crash_report() -> None:
     actor = FailingStartActor()
     actor.name = "bad"
-    mailbox = ServerChannel(endpoint_for("bad", "inproc", new_engine_id()))
+    mailbox = ServerChannel(endpoint_for("bad", "inproc", new_system_id()))
     try:
         report = await ActorCell(actor, mailbox, {}).run()
     finally:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
-from kernels.sampling import Sampler, SamplingParams
+from kernels.sampling import Sampler
+from transport.messages.params import GenerationParams as SamplingParams
+from transport.messages.params import InvalidParams, validate_params
 
 
 def _sampler_with(params_by_rid: dict[int, SamplingParams],
@@ -31,7 +34,7 @@ def _draw_many(params: SamplingParams, logits_row: torch.Tensor, draws: int) -> 
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    return SamplingParams(**{**params.__dict__, "seed": seed})
+    return msgspec.structs.replace(params, seed=seed)
 
 
 def _reference_kept(logits_row: torch.Tensor, params: SamplingParams) -> np.ndarray:
@@ -68,7 +71,7 @@ def _assert_frequencies_match(tokens: np.ndarray, probabilities: np.ndarray) -> 
     {"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": float("inf")},
     {"temperature": "1"}, {"top_k": -2}, {"top_k": 1.5}, {"top_k": True},
     {"top_p": 0.0}, {"top_p": 1.01}, {"min_p": -0.01}, {"min_p": 1.5},
-    {"seed": -1}, {"seed": 2**64}, {"seed": 1.0}, {"repetition_penalty": 0.0},
+    {"seed": -1}, {"seed": 2**63}, {"seed": 1.0}, {"repetition_penalty": 0.0},
     {"repetition_penalty": -1.0}, {"frequency_penalty": 2.5}, {"presence_penalty": -2.01},
     {"logprobs": 1}, {"top_logprobs": -1}, {"top_logprobs": 21},
     {"top_logprobs": 2, "logprobs": False},
@@ -76,17 +79,17 @@ def _assert_frequencies_match(tokens: np.ndarray, probabilities: np.ndarray) -> 
 def test_validate_rejects_out_of_range(bad: dict) -> None:
     params = SamplingParams(**bad)
     with pytest.raises(ValueError) as error:
-        params.validate()
+        validate_params(params)
     assert next(iter(bad)) in str(error.value)
-    with pytest.raises(ValueError):
-        Sampler().add_request(0, params, [])
+    assert isinstance(error.value, InvalidParams) and error.value.field == next(iter(bad))
 
 
 def test_validate_accepts_edges() -> None:
-    for good in [{}, {"temperature": 0.0}, {"top_k": 0}, {"top_k": 1}, {"top_p": 1.0},
-                 {"min_p": 1.0}, {"seed": 0}, {"seed": 2**64 - 1},
+    # One set of limits for every entry point (HTTP, ZeroMQ, offline): seeds are int64.
+    for good in [{}, {"temperature": 0.0}, {"temperature": 2.0}, {"top_k": 0}, {"top_k": 1},
+                 {"top_p": 1.0}, {"min_p": 1.0}, {"seed": 0}, {"seed": 2**63 - 1},
                  {"frequency_penalty": -2.0}, {"logprobs": True, "top_logprobs": 20}]:
-        SamplingParams(**good).validate()
+        validate_params(SamplingParams(**good))
 
 
 def test_registry_errors() -> None:

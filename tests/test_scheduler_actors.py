@@ -15,7 +15,7 @@ import random
 import anyio
 import pytest
 
-from actors.supervisor import ActorSpec, Engine
+from actors.runtime import ActorSpec, ActorSystem
 from tests.fake_engine_actors import FakeRunner, SinkTokenizer
 from transport.messages.alloc import KvStats, KvStatsRequest
 from transport.messages.engine import (
@@ -42,13 +42,13 @@ class Harness:
             ActorSpec(
                 "allocator", "actors.allocator.actor:AllocatorActor", {**kv, "debug_checks": True}
             ),
-            ActorSpec("scheduler", "actors.scheduler:SchedulerActor", sched_kw),
+            ActorSpec("scheduler", "actors.scheduler.actor:SchedulerActor", sched_kw),
             ActorSpec("runner", lambda: self.runner),
             ActorSpec("tokenizer", lambda: self.sink),
         ]
 
     async def __aenter__(self):
-        self.engine = Engine(self.specs, transport="inproc")
+        self.engine = ActorSystem(self.specs, transport="inproc")
         await self.engine.__aenter__()
         return self
 

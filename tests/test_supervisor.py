@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from actors.supervisor import ActorSpec, Engine, EngineStartError
+from actors.runtime import ActorSpec, ActorSystem, SystemStartError
 from tests.actors_for_tests import (
     FailingStartActor,
     ProbeActor,
@@ -46,7 +46,7 @@ def markers(directory: Path) -> dict[str, int]:
     return {path.name: int(path.read_text()) for path in sorted(directory.iterdir())}
 
 
-def assert_processes_gone(engine: Engine) -> None:
+def assert_processes_gone(engine: ActorSystem) -> None:
     for group, process in engine.processes.items():
         assert not process.is_alive(), f"child of group {group} is still alive"
         assert process.pid is not None
@@ -59,7 +59,7 @@ async def test_in_process_start_call_health_stop(tmp_path: Path) -> None:
         ActorSpec("a", PROBE, kwargs={"marker_dir": str(tmp_path)}),
         ActorSpec("b", ProbeActor, kwargs={"marker_dir": str(tmp_path)}),
     ]
-    async with Engine(specs) as engine:
+    async with ActorSystem(specs) as engine:
         assert markers(tmp_path) == {"a.started": 1, "b.started": 1}
         reply = await engine.ref("a").call(ProbeRelay(target="b", text="x"), expect=ProbeEchoReply)
         assert reply == ProbeEchoReply(text="relayed:x", sender="a")
@@ -74,7 +74,7 @@ async def test_in_process_start_call_health_stop(tmp_path: Path) -> None:
 
 
 async def test_health_reports_a_busy_actor_as_down() -> None:
-    async with Engine([ActorSpec("a", ProbeActor), ActorSpec("b", ProbeActor)]) as engine:
+    async with ActorSystem([ActorSpec("a", ProbeActor), ActorSpec("b", ProbeActor)]) as engine:
         await engine.ref("a").send(ProbeSleep(seconds=1.0))
         health = await engine.health(timeout_s=0.2)
         assert not health["a"].up and health["b"].up
@@ -86,7 +86,7 @@ async def test_in_process_crash_with_shutdown_policy_stops_the_engine(tmp_path: 
         ActorSpec("a", ProbeActor, kwargs={"marker_dir": str(tmp_path)}),
         ActorSpec("b", ProbeActor, kwargs={"marker_dir": str(tmp_path)}),
     ]
-    async with Engine(specs) as engine:
+    async with ActorSystem(specs) as engine:
         await engine.ref("a").send(ProbeFail(reason="fatal"))
         with anyio.fail_after(5):
             crash = await engine.wait_stopped()
@@ -97,7 +97,7 @@ async def test_in_process_crash_with_shutdown_policy_stops_the_engine(tmp_path: 
 
 async def test_in_process_restart_policy_then_restart_budget_exhausted() -> None:
     spec = ActorSpec("t", TickerActor, on_crash="restart", max_restarts=1, restart_backoff_s=0.01)
-    async with Engine([spec, ActorSpec("other", ProbeActor)]) as engine:
+    async with ActorSystem([spec, ActorSpec("other", ProbeActor)]) as engine:
         ticker = engine.ref("t")
         first = await ticker.call(ProbeGetTicks(), expect=ProbeTicks)
         await ticker.send(ProbeFail(reason="crash 1"))
@@ -112,8 +112,8 @@ async def test_in_process_restart_policy_then_restart_budget_exhausted() -> None
 
 
 async def test_in_process_start_failure_raises_and_cleans_up() -> None:
-    engine = Engine([ActorSpec("ok", ProbeActor), ActorSpec("bad", FailingStartActor)])
-    with anyio.fail_after(10), pytest.raises(EngineStartError, match="cannot start"):
+    engine = ActorSystem([ActorSpec("ok", ProbeActor), ActorSpec("bad", FailingStartActor)])
+    with anyio.fail_after(10), pytest.raises(SystemStartError, match="cannot start"):
         async with engine:
             pass
     assert engine.stopped
@@ -125,10 +125,10 @@ async def test_multi_process_ipc_start_nested_call_stop(tmp_path: Path) -> None:
         ActorSpec("a", PROBE, kwargs={"marker_dir": str(tmp_path)}, group="left"),
         ActorSpec("b", ProbeActor, kwargs={"marker_dir": str(tmp_path)}, group="right"),
     ]
-    engine = Engine(specs, transport="ipc", local_groups={"main"})
+    engine = ActorSystem(specs, transport="ipc", local_groups={"main"})
     with anyio.fail_after(60):
         async with engine:
-            assert ipc_dir_for(engine.engine_id).is_dir()
+            assert ipc_dir_for(engine.system_id).is_dir()
             health = await engine.health()
             pids = {name: h.pid for name, h in health.items()}
             assert all(h.up for h in health.values())
@@ -142,7 +142,7 @@ async def test_multi_process_ipc_start_nested_call_stop(tmp_path: Path) -> None:
     assert engine.crash is None
     assert_processes_gone(engine)
     assert all(process.exitcode == 0 for process in engine.processes.values())
-    assert not ipc_dir_for(engine.engine_id).exists()
+    assert not ipc_dir_for(engine.system_id).exists()
     assert markers(tmp_path) == {
         f"{name}.{event}": 1 for name in ("a", "b", "local") for event in ("started", "stopped")
     }
@@ -153,7 +153,7 @@ async def test_multi_process_crash_with_shutdown_policy(tmp_path: Path) -> None:
         ActorSpec("a", ProbeActor, kwargs={"marker_dir": str(tmp_path)}, group="left"),
         ActorSpec("b", ProbeActor, kwargs={"marker_dir": str(tmp_path)}, group="right"),
     ]
-    engine = Engine(specs, transport="ipc")
+    engine = ActorSystem(specs, transport="ipc")
     with anyio.fail_after(60):
         async with engine:
             await engine.ref("a").call(ProbeEcho(text="up"))
@@ -164,7 +164,7 @@ async def test_multi_process_crash_with_shutdown_policy(tmp_path: Path) -> None:
             assert anyio.current_time() - started < 5.0
     assert crash is not None and crash.name == "a" and "child fatal" in crash.error
     assert_processes_gone(engine)
-    assert not ipc_dir_for(engine.engine_id).exists()
+    assert not ipc_dir_for(engine.system_id).exists()
     assert markers(tmp_path)["a.stopped"] == 1 and markers(tmp_path)["b.stopped"] == 1
 
 
@@ -173,7 +173,7 @@ async def test_multi_process_tcp_restart_and_health_while_down() -> None:
         ActorSpec("t", TickerActor, group="work", on_crash="restart", restart_backoff_s=1.0),
         ActorSpec("p", ProbeActor, group="work"),
     ]
-    engine = Engine(specs, transport="tcp")
+    engine = ActorSystem(specs, transport="tcp")
     with anyio.fail_after(60):
         async with engine:
             addresses = engine.directory.values()
@@ -194,7 +194,7 @@ async def test_multi_process_tcp_restart_and_health_while_down() -> None:
 
 async def test_killed_child_process_shuts_the_engine_down() -> None:
     specs = [ActorSpec("a", ProbeActor, group="left"), ActorSpec("b", ProbeActor, group="right")]
-    engine = Engine(specs, transport="ipc")
+    engine = ActorSystem(specs, transport="ipc")
     with anyio.fail_after(60):
         async with engine:
             victim = engine.processes["left"]
@@ -204,7 +204,7 @@ async def test_killed_child_process_shuts_the_engine_down() -> None:
                 crash = await engine.wait_stopped()
     assert crash is not None and crash.name == "group:left"
     assert_processes_gone(engine)
-    assert not ipc_dir_for(engine.engine_id).exists()
+    assert not ipc_dir_for(engine.system_id).exists()
 
 
 async def test_sigterm_to_a_child_runs_on_stop_then_the_engine_shuts_down(tmp_path: Path) -> None:
@@ -212,7 +212,7 @@ async def test_sigterm_to_a_child_runs_on_stop_then_the_engine_shuts_down(tmp_pa
         ActorSpec("a", ProbeActor, kwargs={"marker_dir": str(tmp_path)}, group="left"),
         ActorSpec("b", ProbeActor, kwargs={"marker_dir": str(tmp_path)}, group="right"),
     ]
-    engine = Engine(specs, transport="ipc")
+    engine = ActorSystem(specs, transport="ipc")
     with anyio.fail_after(60):
         async with engine:
             pid = engine.processes["left"].pid
@@ -236,13 +236,13 @@ def _gone(pid: int) -> bool:
 
 ORPHAN_SCRIPT = """
 import anyio
-from actors.supervisor import ActorSpec, Engine
+from actors.runtime import ActorSpec, ActorSystem
 from tests.actors_for_tests import ProbeActor
 
 async def main():
     specs = [ActorSpec("a", ProbeActor, group="left")]
-    async with Engine(specs, transport="ipc") as engine:
-        print(engine.processes["left"].pid, engine.engine_id, flush=True)
+    async with ActorSystem(specs, transport="ipc") as engine:
+        print(engine.processes["left"].pid, engine.system_id, flush=True)
         await anyio.sleep(120)
 
 anyio.run(main)
@@ -261,16 +261,16 @@ def test_children_exit_when_the_parent_is_killed() -> None:
     )
     try:
         assert parent.stdout is not None
-        pid_text, engine_id = parent.stdout.readline().split()
+        pid_text, system_id = parent.stdout.readline().split()
         child_pid = int(pid_text)
-        assert not _gone(child_pid) and ipc_dir_for(engine_id).is_dir()
+        assert not _gone(child_pid) and ipc_dir_for(system_id).is_dir()
         parent.kill()
         parent.wait(timeout=10)
         deadline = time.monotonic() + 10
         while not _gone(child_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _gone(child_pid), "the child outlived its killed parent"
-        assert not ipc_dir_for(engine_id).exists()
+        assert not ipc_dir_for(system_id).exists()
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -282,9 +282,9 @@ async def test_multi_process_bad_factory_fails_start_cleanly() -> None:
         ActorSpec("a", ProbeActor, group="left"),
         ActorSpec("b", "tests.no_such_module:Nope", group="right"),
     ]
-    engine = Engine(specs, transport="ipc")
-    with anyio.fail_after(60), pytest.raises(EngineStartError, match="no_such_module"):
+    engine = ActorSystem(specs, transport="ipc")
+    with anyio.fail_after(60), pytest.raises(SystemStartError, match="no_such_module"):
         async with engine:
             pass
     assert_processes_gone(engine)
-    assert not ipc_dir_for(engine.engine_id).exists()
+    assert not ipc_dir_for(engine.system_id).exists()

@@ -43,7 +43,7 @@ GREEDY = GenerationParams(max_tokens=8, temperature=0.0)
 
 
 @pytest.fixture(autouse=True)
-def engine_idle_after(server):  # noqa: F811
+def system_idle_after(server):  # noqa: F811
     yield
     wait_idle(server)
 

@@ -5,7 +5,7 @@
 * ``transport.codec``: strict msgpack encode/decode (``Codec``, ``DecodeFailure``).
 * ``transport.address``: inproc / ipc / tcp endpoints (``endpoint_for``, ``IpcDirectory``).
 * ``transport.channel``: async ROUTER/DEALER channels (``ServerChannel``, ``ClientChannel``).
-* ``transport.bench``: ``python -m transport.bench`` micro-benchmark.
+* ``actors.bench.transport``: ``python -m actors.bench.transport`` micro-benchmark.
 
 Only the dependency-light names are re-exported here, so importing a message module does not
 pull in ZeroMQ.

@@ -33,22 +33,22 @@ _ENGINE_ID = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 _LOOPBACK: Final = "127.0.0.1"
 
 
-def new_engine_id() -> str:
+def new_system_id() -> str:
     """A short random id naming one engine instance (its inproc names and ipc directory)."""
     return secrets.token_hex(4)
 
 
-def _check_engine_id(engine_id: str) -> str:
-    if not _ENGINE_ID.match(engine_id):
-        raise ValueError(f"engine id must match {_ENGINE_ID.pattern}, got {engine_id!r}")
-    return engine_id
+def _check_system_id(system_id: str) -> str:
+    if not _ENGINE_ID.match(system_id):
+        raise ValueError(f"engine id must match {_ENGINE_ID.pattern}, got {system_id!r}")
+    return system_id
 
 
-def ipc_dir_for(engine_id: str) -> Path:
+def ipc_dir_for(system_id: str) -> Path:
     """The per-engine directory holding ipc socket files (not created here)."""
-    _check_engine_id(engine_id)
+    _check_system_id(system_id)
     base = tempfile.gettempdir()
-    leaf = f"kvactor-{engine_id}"
+    leaf = f"kvactor-{system_id}"
     # Leave room for "/" + a 32-char socket file name; fall back to /tmp for long TMPDIRs.
     if len(base) + 1 + len(leaf) + 1 + 32 > _UNIX_SOCKET_PATH_LIMIT:
         base = "/tmp"
@@ -59,8 +59,8 @@ class IpcDirectory:
     """Owns one engine's ipc directory: ``create()`` makes it (private, 0o700), ``remove()``
     deletes it and every socket file in it. ``remove`` is idempotent."""
 
-    def __init__(self, engine_id: str) -> None:
-        self.path = ipc_dir_for(engine_id)
+    def __init__(self, system_id: str) -> None:
+        self.path = ipc_dir_for(system_id)
 
     def create(self) -> Path:
         self.path.mkdir(mode=0o700, parents=False, exist_ok=True)
@@ -108,23 +108,23 @@ def pick_free_tcp_port(
 def endpoint_for(
     name: str,
     transport: Transport,
-    engine_id: str,
+    system_id: str,
     *,
     port: int | None = None,
     host: str = _LOOPBACK,
 ) -> str:
-    """The endpoint where actor ``name`` of engine ``engine_id`` binds over ``transport``.
+    """The endpoint where actor ``name`` of engine ``system_id`` binds over ``transport``.
 
     For tcp a free port is picked unless ``port`` is given, so call it once per actor and
     share the result (the supervisor does).
     """
-    _check_engine_id(engine_id)
+    _check_system_id(system_id)
     if not name:
         raise ValueError("endpoint name must not be empty")
     if transport == "inproc":
-        return f"inproc://kvactor-{engine_id}/{name}"
+        return f"inproc://kvactor-{system_id}/{name}"
     if transport == "ipc":
-        directory = ipc_dir_for(engine_id)
+        directory = ipc_dir_for(system_id)
         budget = _UNIX_SOCKET_PATH_LIMIT - len(str(directory)) - 1
         return f"ipc://{directory / _socket_file_name(name, budget)}"
     if transport == "tcp":

@@ -15,9 +15,6 @@ from actors.allocator.remote_port import RemotePrefixPort
 from actors.runtime import Actor
 from kvcore import PagePool, ReqToTokenTable
 from transport.messages.alloc import (
-    RELEASE_ABORT,
-    RELEASE_FINISH,
-    RELEASE_RETRACT,
     AllocDecode,
     AllocDecodeReply,
     AllocExtend,
@@ -28,6 +25,7 @@ from transport.messages.alloc import (
     KvStats,
     KvStatsRequest,
     ReleaseBatch,
+    ReleaseKind,
     SlotDeltas,
 )
 
@@ -97,16 +95,14 @@ class AllocatorActor(Actor):
         elif isinstance(msg, ReleaseBatch):
             for item in msg.items:
                 toks = np.asarray(item.tokens, dtype=np.int64)
-                if item.kind == RELEASE_FINISH:
+                if item.kind is ReleaseKind.FINISH:
                     await ledger.finish(item.rid, toks)
                     ledger.forget(item.rid)
-                elif item.kind == RELEASE_ABORT:
+                elif item.kind is ReleaseKind.ABORT:
                     await ledger.abort(item.rid)
                     ledger.forget(item.rid)
-                elif item.kind == RELEASE_RETRACT:
-                    await ledger.retract(item.rid, toks)
                 else:
-                    raise ValueError(f"unknown release kind {item.kind}")
+                    await ledger.retract(item.rid, toks)
             reply = None
         elif isinstance(msg, KvStatsRequest):
             return await self._stats(msg.check_invariants)

@@ -3,9 +3,9 @@
 The allocator never touches the tree's state; it asks. Every operation that
 moves pages between the tree and the allocator is one awaited call, so from
 the allocator's mailbox each transfer is atomic. `LocalPrefixPort` serves a
-`kvcore.RadixTree` directly (the radix actor's own implementation, and the
-unit tests'); the allocator actor uses a remote port that sends the same
-operations as messages to the radix actor.
+`kvcore.RadixTree` directly (the unit tests' port); the allocator actor uses a
+remote port that sends the same operations as messages to the radix actor,
+which runs them on its tree.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ class LocalPrefixPort:
         self.tree = tree
 
     async def match_and_lock(self, tokens: np.ndarray) -> MatchResult:
-        return match_and_lock(self.tree, tokens)
+        return self.tree.match_and_lock(tokens)
 
     async def insert(
         self, tokens: np.ndarray, slots: np.ndarray, unlock_node: int | None, lock_new: bool
     ) -> InsertResult:
-        return insert_and_relock(self.tree, tokens, slots, unlock_node, lock_new)
+        return self.tree.insert_and_relock(tokens, slots, unlock_node, lock_new)
 
     async def unlock(self, node_id: int) -> None:
         self.tree.dec_lock_ref(node_id)
@@ -54,22 +54,3 @@ class LocalPrefixPort:
 
     async def owned_pages(self) -> np.ndarray:
         return self.tree.owned_pages()
-
-
-def match_and_lock(tree: RadixTree, tokens: np.ndarray) -> MatchResult:
-    result = tree.match_prefix(tokens)
-    if result.length:
-        tree.inc_lock_ref(result.node_id)
-    return result
-
-
-def insert_and_relock(
-    tree: RadixTree, tokens: np.ndarray, slots: np.ndarray, unlock_node: int | None, lock_new: bool
-) -> InsertResult:
-    # Lock the new path before unlocking the old one so no shared node is evictable in between.
-    result = tree.insert(tokens, slots)
-    if lock_new and result.node_id != RadixTree.ROOT_ID:
-        tree.inc_lock_ref(result.node_id)
-    if unlock_node is not None:
-        tree.dec_lock_ref(unlock_node)
-    return result

@@ -6,6 +6,8 @@ next forward batch, so its replica of the req-to-token table stays exact.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from transport.messages.base import HotMessage, Message
@@ -63,14 +65,15 @@ class CacheUnfinishedReply(HotMessage):
     deltas: SlotDeltas
 
 
-RELEASE_FINISH = 0  # cache committed pages in the tree, free the rest, drop the record
-RELEASE_ABORT = 1  # free everything, drop the record (idempotent)
-RELEASE_RETRACT = 2  # cache committed pages, free the rest, keep the record for re-admission
+class ReleaseKind(enum.IntEnum):
+    FINISH = 0  # cache committed pages in the tree, free the rest, drop the record
+    ABORT = 1  # free everything, drop the record (idempotent)
+    RETRACT = 2  # cache committed pages, free the rest, keep the record for re-admission
 
 
 class ReleaseItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
     rid: int
-    kind: int
+    kind: ReleaseKind
     tokens: list[int] = []
 
 

@@ -3,7 +3,7 @@
 Transport
 ---------
 The engine binds a ZeroMQ ROUTER socket (`bin/engine serve --zmq tcp://127.0.0.1:5557`,
-actor `actors.zmq_endpoint.ZmqEndpointActor`). A client connects a DEALER socket to it
+actor `actors.frontends.zmq_endpoint.ZmqEndpointActor`). A client connects a DEALER socket to it
 (`transport.client.KvactorClient` does this) and exchanges single-frame messages:
 
     client -> engine   [payload]          (the ROUTER sees [client identity, payload])

@@ -9,35 +9,20 @@ ids, one `TokenBatch` per step) -> the request's `reply_to` actor (text, one
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from transport.messages.base import HotMessage, Message
+from transport.messages.params import GenerationParams
+
+__all__ = ["GenerationParams"]  # re-exported: the parameter type of every request
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str
     content: str | list[dict[str, str]] | None = None
     name: str | None = None
-
-
-class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: bool = False
-    top_logprobs: int = 0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
 
 
 class GenerateRequest(Message):
@@ -75,16 +60,19 @@ class SubmitRequests(HotMessage):
     reqs: list[NewRequest]
 
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_ABORT = "abort"
+class FinishReason(enum.StrEnum):
+    """Why a request ended (OpenAI's `finish_reason` values, plus "abort")."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, the context, or a pool too small for it
+    ABORT = "abort"  # the client left or asked to stop
 
 
 class EndRequests(HotMessage):
     """Tokenizer -> scheduler: stop these requests (abort, or a stop string matched)."""
 
     rids: list[int]
-    reason: str  # FINISH_ABORT or FINISH_STOP
+    reason: FinishReason  # ABORT or STOP
 
 
 class TokenBatch(HotMessage):
@@ -93,7 +81,7 @@ class TokenBatch(HotMessage):
     rids: list[int]
     counts: list[int]  # new tokens per rid (0 when only a finish is reported)
     tokens: list[int]
-    finish: list[str]  # "" while running, else a FINISH_* reason
+    finish: list[str]  # "" while running, else a FinishReason value
     cached: list[int]  # prompt tokens served from the prefix cache (first report only; else -1)
     logprobs: list[float] = []  # per token in `tokens`, when any request asked
     top_ids: list[list[int]] = []

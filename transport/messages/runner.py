@@ -13,21 +13,15 @@ import msgspec
 
 from transport.messages.alloc import SlotDeltas
 from transport.messages.base import HotMessage
+from transport.messages.params import GenerationParams
 
 
-class SamplingSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):
+class RunnerRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Registers a request with the runner; its sampler state is derived from `params`."""
+
     rid: int
-    prompt_ids: list[int]  # for repetition_penalty
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = -1  # -1: unseeded
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: bool = False
-    top_logprobs: int = 0
+    params: GenerationParams
+    prompt_ids: list[int] = []  # only when repetition_penalty != 1 (it counts prompt tokens)
 
 
 class ForwardBatchMsg(HotMessage):
@@ -39,7 +33,7 @@ class ForwardBatchMsg(HotMessage):
     input_ids: list[int]
     need_logits: list[bool]  # False: a non-final prefill chunk, nothing to sample
     deltas: SlotDeltas
-    new_reqs: list[SamplingSpec] = []
+    new_reqs: list[RunnerRequest] = []
     finished_rids: list[int] = []
 
 

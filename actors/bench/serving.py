@@ -24,7 +24,10 @@ import time
 
 import anyio
 
-from actors.engine import EngineConfig, ServingEngine, serving_specs
+from actors.app.cli import load_config
+from actors.app.serving import ServingEngine
+from actors.app.specs import serving_specs
+from actors.bench.timing import Timings
 from transport.address import pick_free_tcp_port
 from transport.client import KvactorClient
 from transport.messages.engine import GenerationParams
@@ -83,17 +86,8 @@ class RawHttpClient:
         return status, json.loads(data)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
 async def _measure(args: argparse.Namespace) -> dict[str, list[float]]:
-    overrides = {k.replace(".", "__", 1): v for k, v in (_parse_set(s) for s in args.set or [])}
-    cfg = EngineConfig.load(args.config, server__port=pick_free_tcp_port(), **overrides)
+    cfg = load_config(args.config, args.set, **{"server.port": pick_free_tcp_port()})
     zmq_address = f"tcp://127.0.0.1:{pick_free_tcp_port()}"
     params = GenerationParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     payload = {
@@ -140,18 +134,6 @@ async def _measure(args: argparse.Namespace) -> dict[str, list[float]]:
     return samples
 
 
-def _parse_set(pair: str) -> tuple[str, object]:
-    import tomllib
-
-    key, sep, raw = pair.partition("=")
-    if not sep or "." not in key:
-        raise SystemExit(f"--set expects section.key=value, got {pair!r}")
-    try:
-        return key, tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return key, raw
-
-
 def _report(samples: dict[str, list[float]], args: argparse.Namespace) -> None:
     """Per path: latency median / p90 / min, and the median over rounds of (path - direct)
     within the same round, which cancels most of the drift in machine load."""
@@ -164,7 +146,7 @@ def _report(samples: dict[str, list[float]], args: argparse.Namespace) -> None:
         paired = statistics.median(v - d for v, d in zip(values, direct))
         print(
             f"{name:<8} {statistics.median(values) * 1e3:>10.2f} "
-            f"{_percentile(values, 0.9) * 1e3:>10.2f} {min(values) * 1e3:>10.2f} "
+            f"{Timings(values).p(0.9) * 1e3:>10.2f} {min(values) * 1e3:>10.2f} "
             f"{paired * 1e3:>+11.2f}"
         )
 

@@ -15,42 +15,10 @@ import time
 import anyio
 import torch
 
-from actors.engine import EngineConfig, ServingEngine
+from actors.app.cli import load_config
+from actors.app.corpus import natural_text
+from actors.app.serving import ServingEngine
 from transport.messages.engine import GenerationParams
-
-
-def natural_text() -> str:
-    """A fixed English corpus of a few thousand words: the stdlib's module docstrings."""
-    import argparse
-    import collections
-    import decimal
-    import email
-    import json
-    import logging
-    import os
-    import pathlib
-    import re
-    import subprocess
-    import textwrap
-    import threading
-    import unittest
-
-    mods = [
-        argparse,
-        collections,
-        decimal,
-        email,
-        json,
-        logging,
-        os,
-        pathlib,
-        re,
-        subprocess,
-        textwrap,
-        threading,
-        unittest,
-    ]
-    return " ".join(" ".join((m.__doc__ or "").split()) for m in mods)
 
 
 def _prompts(tokenizer, batch: int, length: int) -> list[list[int]]:
@@ -117,10 +85,9 @@ def main() -> int:
     ap.add_argument("--config")
     ap.add_argument("--set", action="append", default=[])
     args = ap.parse_args()
-    from actors.cli import _overrides
     from kernels.tokenizer_loader import load_tokenizer
 
-    cfg = EngineConfig.load(args.config, **_overrides(args.set))
+    cfg = load_config(args.config, args.set)
     tok = load_tokenizer(None)
     prompts = _prompts(tok, args.batch, args.prompt_len)
     single = _prompts(tok, 1, 21)[0]

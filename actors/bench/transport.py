@@ -1,4 +1,4 @@
-"""Micro-benchmark of the transport layer (not a test): ``python -m transport.bench``.
+"""Micro-benchmark of the transport layer (not a test): ``python -m actors.bench.transport``.
 
 Prints:
 
@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 import msgspec
 
-from transport.address import IpcDirectory, endpoint_for, new_engine_id
+from actors.bench.timing import Timings, time_calls, time_calls_async
+from transport.address import IpcDirectory, endpoint_for, new_system_id
 from transport.channel import ClientChannel, ServerChannel
 from transport.codec import Codec, DecodeFailure
 from transport.messages.base import Message
@@ -62,25 +61,23 @@ def _child_server(address: str, ready: Any, stop: Any) -> None:
     anyio.run(run)
 
 
-async def _time_calls(address: str, calls: int) -> list[float]:
+async def _time_calls(address: str, calls: int) -> Timings:
     client = ClientChannel(address, sender="bench")
     codec: Codec[Pong] = Codec(Pong)
     ping = codec.encode(Ping())
-    samples: list[float] = []
+
+    async def call() -> None:
+        reply = codec.decode(await client.call(ping, timeout=10))
+        assert isinstance(reply, Pong)
+
     try:
-        for _ in range(calls // 10):  # warm-up: connection set-up, first allocations
-            await client.call(ping, timeout=10)
-        for _ in range(calls):
-            started = time.perf_counter()
-            reply = codec.decode(await client.call(ping, timeout=10))
-            samples.append(time.perf_counter() - started)
-            assert isinstance(reply, Pong)
+        # warm-up: connection set-up, first allocations
+        return await time_calls_async(call, calls, warmup=calls // 10)
     finally:
         client.close()
-    return samples
 
 
-async def _round_trip_in_process(address: str, calls: int) -> list[float]:
+async def _round_trip_in_process(address: str, calls: int) -> Timings:
     server = ServerChannel(address)
     try:
         async with anyio.create_task_group() as task_group:
@@ -92,7 +89,7 @@ async def _round_trip_in_process(address: str, calls: int) -> list[float]:
     return samples
 
 
-async def _round_trip_cross_process(address: str, calls: int) -> list[float]:
+async def _round_trip_cross_process(address: str, calls: int) -> Timings:
     context = multiprocessing.get_context("spawn")
     ready, stop = context.Event(), context.Event()
     child = context.Process(target=_child_server, args=(address, ready, stop), daemon=True)
@@ -108,15 +105,9 @@ async def _round_trip_cross_process(address: str, calls: int) -> list[float]:
             child.kill()
 
 
-def _summary(samples: list[float]) -> str:
-    ordered = sorted(samples)
-    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-    return f"median {statistics.median(ordered) * 1e6:7.1f} us   p99 {p99 * 1e6:7.1f} us"
-
-
 async def _round_trips(calls: int) -> None:
-    engine_id = new_engine_id()
-    with IpcDirectory(engine_id):
+    system_id = new_system_id()
+    with IpcDirectory(system_id):
         cases: list[tuple[str, Callable[[str, int], Any], str]] = [
             ("inproc, same process", _round_trip_in_process, "inproc"),
             ("ipc,    same process", _round_trip_in_process, "ipc"),
@@ -126,9 +117,9 @@ async def _round_trips(calls: int) -> None:
         ]
         print(f"call round trip (Ping -> Pong, {calls} calls, one caller):")
         for index, (label, runner, transport) in enumerate(cases):
-            address = endpoint_for(f"bench{index}", transport, engine_id)  # type: ignore[arg-type]
+            address = endpoint_for(f"bench{index}", transport, system_id)  # type: ignore[arg-type]
             samples = await runner(address, calls)
-            print(f"  {label}: {_summary(samples)}")
+            print(f"  {label}: {samples.summary_us()}")
 
 
 # --- batch message codec -------------------------------------------------------------------
@@ -197,12 +188,7 @@ def _count_ints(value: Any) -> int:
 
 
 def _median_us(function: Callable[[], object], repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        function()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples) * 1e6
+    return time_calls(function, repeats, warmup=0).median * 1e6
 
 
 def _batch_codec(repeats: int) -> None:
@@ -230,7 +216,7 @@ def _batch_codec(repeats: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m transport.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m actors.bench.transport", description=__doc__)
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per transport")
     parser.add_argument("--repeats", type=int, default=2000, help="codec timing repeats")
     args = parser.parse_args(argv)

@@ -1,22 +1,26 @@
 """The ZeroMQ client endpoint: external clients speak `transport.messages.client` to it.
 
 `ZmqEndpointActor(address)` binds a ROUTER socket for clients (DEALER sockets, see
-`transport.client.KvactorClient`) and is itself a frontend: it submits `GenerateRequest`s
-to the tokenizer with itself as `reply_to`, so its inbox is `OutputBatch`, and it turns
-each chunk into a `ClientChunk` frame for the client identity that owns the request.
+`transport.client.KvactorClient`). It is a `FrontendActor`: each accepted `ClientSubmit`
+runs as one task reading `EngineClient.generate` and turning its chunks into `ClientChunk`
+frames for the client identity that submitted it; ending that task (the client's
+`ClientAbort`, the client gone, a full send queue) closes the stream, which aborts the
+request in the engine (the shared base's rule).
 
 Invariants:
-* A live request is in `self.live` (engine id -> route) and in `self.clients[identity]`
-  (client request id -> route) at the same time, or in neither.
+* A live request is in `self.clients[identity]` (client request id -> route) exactly while
+  its task runs; the task removes it on every exit path.
 * Nothing a client sends can crash the actor: undecodable frames, unknown ids, duplicate
   ids and refused requests are answered with `ClientError` frames.
 * The socket is ROUTER_MANDATORY, so a frame to a client that is gone fails instead of
-  vanishing: its live requests are aborted. A client whose send queue is full (it stopped
-  reading) has the request being written to aborted rather than silently losing frames.
+  vanishing: every live request of that client is ended. A client whose send queue is full
+  (it stopped reading) has the request being written to ended rather than silently losing
+  frames.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -25,8 +29,8 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from actors.runtime import Actor, RemoteError
-from actors.tokenizer import ERR_INVALID_REQUEST as ENGINE_INVALID_REQUEST
+from actors.frontends.base import FrontendActor, GenerationError
+from actors.tokenizer.validation import ERR_INVALID_REQUEST as ENGINE_INVALID_REQUEST
 from transport.channel import ChannelClosed, shared_context
 from transport.codec import Codec, DecodeFailure
 from transport.messages.client import (
@@ -45,14 +49,7 @@ from transport.messages.client import (
     ClientSubmit,
     ClientUsage,
 )
-from transport.messages.engine import (
-    AbortGeneration,
-    Accepted,
-    GenerateRequest,
-    OutputBatch,
-    OutputChunk,
-    TokenLogprob,
-)
+from transport.messages.engine import OutputChunk, TokenLogprob
 
 # Hard cap enforced by libzmq: a peer sending a bigger message is disconnected. Frames between
 # MAX_CLIENT_FRAME_BYTES and this get a ClientError instead.
@@ -68,8 +65,8 @@ class _Route:
     request_id: str
     engine_rid: str
     stream: bool
-    accepted: bool = False
-    aborted: bool = False
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    ended: bool = False  # the client got its final frame (or can get none)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -86,14 +83,11 @@ class _Route:
         )
 
 
-class ZmqEndpointActor(Actor):
-    inbox = OutputBatch
-
+class ZmqEndpointActor(FrontendActor):
     def __init__(self, address: str, tokenizer: str = "tokenizer") -> None:
+        super().__init__(tokenizer)
         self.address = address
-        self.tokenizer_name = tokenizer
         self.codec: Codec = Codec(ClientRequestFrame, max_message_bytes=MAX_CLIENT_FRAME_BYTES)
-        self.live: dict[str, _Route] = {}
         self.clients: dict[bytes, dict[str, _Route]] = {}
         self._ids = itertools.count(1)
         self._prefix = f"zmq-{os.getpid()}-{id(self):x}"
@@ -102,7 +96,7 @@ class ZmqEndpointActor(Actor):
                          "clients_gone": 0, "slow_clients": 0}
 
     async def on_start(self) -> None:
-        self.tokenizer = self.ref(self.tokenizer_name)
+        await super().on_start()
         sock = shared_context().socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
@@ -119,18 +113,16 @@ class ZmqEndpointActor(Actor):
         self.log.info("zmq endpoint listening", address=self.address)
 
     async def on_stop(self) -> None:
-        engine_rids = [r.engine_rid for r in self.live.values() if r.accepted]
-        self.live.clear()
+        # The request tasks were cancelled with the actor; each aborted its request.
         self.clients.clear()
-        if engine_rids:
-            with anyio.move_on_after(2):
-                await self.tokenizer.send(AbortGeneration(client_rids=engine_rids))
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
 
     def stats(self) -> dict[str, int | float]:
-        return {"live_requests": len(self.live), "clients": len(self.clients), **self.counters}
+        live = sum(len(routes) for routes in self.clients.values())
+        return {**super().stats(), "live_requests": live, "clients": len(self.clients),
+                **self.counters}
 
     # ---- client frames -----------------------------------------------------------------------
 
@@ -138,9 +130,9 @@ class ZmqEndpointActor(Actor):
         assert self._socket is not None
         while True:
             frames = await self._socket.recv_multipart()
-            await self._on_frames(frames)
+            self._on_frames(frames)
 
-    async def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]
         if len(frames) != 2:
             self.counters["malformed"] += 1
@@ -157,7 +149,7 @@ class ZmqEndpointActor(Actor):
         elif isinstance(message, ClientAbort):
             route = self.clients.get(identity, {}).get(message.request_id)
             if route is not None:
-                await self._abort(route)
+                self._abort(route)
 
     def _on_submit(self, identity: bytes, msg: ClientSubmit) -> None:
         rid = msg.request_id
@@ -171,96 +163,67 @@ class ZmqEndpointActor(Actor):
             return
         route = _Route(identity, rid, f"{self._prefix}-{next(self._ids)}", msg.stream)
         routes[rid] = route
-        self.live[route.engine_rid] = route
         self.counters["submitted"] += 1
-        self.spawn(self._submit, route, msg)
+        self.spawn(self._run, route, msg)
 
-    async def _submit(self, route: _Route, msg: ClientSubmit) -> None:
-        request = GenerateRequest(
-            client_rid=route.engine_rid,
-            reply_to=self.name,
-            params=msg.params,
-            prompt=msg.prompt,
-            prompt_ids=msg.prompt_ids,
-            messages=msg.messages,
-        )
+    async def _run(self, route: _Route, msg: ClientSubmit) -> None:
+        """One request, from submit to its final frame; leaving early aborts it."""
+        assert self.client is not None
         try:
-            await self.tokenizer.call(request, expect=Accepted)
-        except RemoteError as exc:
-            code = ERR_INVALID_REQUEST if exc.reply.code == ENGINE_INVALID_REQUEST else ERR_ENGINE
-            self._refuse(route, code, exc.reply.message)
-            return
+            with route.scope:
+                stream = self.client.generate(
+                    msg.params,
+                    prompt=msg.prompt,
+                    prompt_ids=msg.prompt_ids,
+                    messages=msg.messages,
+                    client_rid=route.engine_rid,
+                )
+                async with contextlib.aclosing(stream):
+                    async for chunk in stream:
+                        if not self._forward(route, chunk):
+                            return
+        except GenerationError as exc:
+            code = ERR_INVALID_REQUEST if exc.code == ENGINE_INVALID_REQUEST else ERR_ENGINE
+            self._refuse(route, code, exc.message)
         except (TimeoutError, ChannelClosed) as exc:
             self._refuse(route, ERR_ENGINE, f"{type(exc).__name__}: {exc}")
-            return
         except Exception as exc:  # a client's request must never crash the endpoint
-            self.log.error("submit failed", request_id=route.request_id, exc_info=exc)
+            self.log.error("request failed", request_id=route.request_id, exc_info=exc)
             self._refuse(route, ERR_ENGINE, f"{type(exc).__name__}: {exc}")
-            return
-        route.accepted = True
-        if route.aborted:  # the client aborted while the request was being submitted
-            await self.tokenizer.send(AbortGeneration(client_rids=[route.engine_rid]))
+        finally:
+            self._forget(route)
 
     def _refuse(self, route: _Route, code: str, message: str) -> None:
         self.counters["refused"] += 1
-        if route.aborted:
-            return  # the client already got its final frame
-        self._forget(route)
-        self._error(route.identity, code, message, route.request_id)
+        if not route.ended:
+            route.ended = True
+            self._error(route.identity, code, message, route.request_id)
 
-    async def _abort(self, route: _Route) -> None:
-        """The client's ClientAbort: its final frame now, the engine told after."""
-        self._forget(route)
-        route.aborted = True
-        self.counters["aborted"] += 1
+    def _abort(self, route: _Route) -> None:
+        """The client's ClientAbort: its final frame now; the task's exit aborts the engine's."""
+        self._end(route)
         self._send(route.identity, ClientChunk(
             request_id=route.request_id, finish_reason=FINISH_ABORT, usage=route.usage()
         ))
-        if route.accepted:
-            await self.tokenizer.send(AbortGeneration(client_rids=[route.engine_rid]))
+
+    def _end(self, route: _Route) -> None:
+        """Stop a live request's task (it may be the calling task)."""
+        if not route.ended:
+            route.ended = True
+            self.counters["aborted"] += 1
+        route.scope.cancel()
 
     def _forget(self, route: _Route) -> None:
-        self.live.pop(route.engine_rid, None)
         routes = self.clients.get(route.identity)
-        if routes is not None:
-            routes.pop(route.request_id, None)
+        if routes is not None and routes.get(route.request_id) is route:
+            del routes[route.request_id]
             if not routes:
                 del self.clients[route.identity]
 
     # ---- engine output -----------------------------------------------------------------------
 
-    async def handle(self, msg, sender):
-        dropped: list[_Route] = []  # routes whose client can no longer be written to
-        for chunk in msg.chunks:
-            route = self.live.get(chunk.client_rid)
-            if route is None:
-                continue  # aborted, or its client is gone
-            outcome = self._forward(route, chunk)
-            if outcome == "gone":
-                dropped.extend(self.clients.get(route.identity, {}).values())
-                for other in self.clients.get(route.identity, {}).copy().values():
-                    self._forget(other)
-            elif outcome == "full":
-                self.counters["slow_clients"] += 1
-                self._error(route.identity, ERR_SLOW_CLIENT,
-                            "the client stopped reading; request aborted", route.request_id)
-                self._forget(route)
-                dropped.append(route)
-            elif chunk.finish_reason is not None:
-                self._forget(route)
-        # One message aborts every request of this batch whose client went away.
-        engine_rids = []
-        for route in dropped:
-            route.aborted = True
-            self.counters["aborted"] += 1
-            if route.accepted:
-                engine_rids.append(route.engine_rid)
-        if engine_rids:
-            await self.tokenizer.send(AbortGeneration(client_rids=engine_rids))
-        return None
-
-    def _forward(self, route: _Route, chunk: OutputChunk) -> str:
-        """Send what `chunk` adds to the route's client: "ok", "gone" or "full"."""
+    def _forward(self, route: _Route, chunk: OutputChunk) -> bool:
+        """Send what `chunk` adds to the route's client; False when the request must end."""
         route.prompt_tokens = chunk.prompt_tokens
         route.completion_tokens = chunk.completion_tokens
         route.cached_tokens = chunk.cached_tokens
@@ -274,22 +237,36 @@ class ZmqEndpointActor(Actor):
                 usage=route.usage() if final else None,
                 logprobs=list(chunk.logprobs),
             )
-            return self._send(route.identity, frame)
-        if chunk.text:
-            route.texts.append(chunk.text)
-        route.token_ids.extend(chunk.token_ids)
-        route.logprobs.extend(chunk.logprobs)
-        if not final:
-            return "ok"
-        frame = ClientChunk(
-            request_id=route.request_id,
-            text="".join(route.texts),
-            token_ids=route.token_ids,
-            finish_reason=chunk.finish_reason,
-            usage=route.usage(),
-            logprobs=route.logprobs,
-        )
-        return self._send(route.identity, frame)
+        else:
+            if chunk.text:
+                route.texts.append(chunk.text)
+            route.token_ids.extend(chunk.token_ids)
+            route.logprobs.extend(chunk.logprobs)
+            if not final:
+                return True
+            frame = ClientChunk(
+                request_id=route.request_id,
+                text="".join(route.texts),
+                token_ids=route.token_ids,
+                finish_reason=chunk.finish_reason,
+                usage=route.usage(),
+                logprobs=route.logprobs,
+            )
+        outcome = self._send(route.identity, frame)
+        if outcome == "gone":
+            # Every request of a vanished client ends, this one included.
+            for other in list(self.clients.get(route.identity, {}).values()):
+                self._end(other)
+            return False
+        if outcome == "full":
+            self.counters["slow_clients"] += 1
+            self._error(route.identity, ERR_SLOW_CLIENT,
+                        "the client stopped reading; request aborted", route.request_id)
+            self._end(route)
+            return False
+        if final:
+            route.ended = True
+        return True
 
     # ---- sending -----------------------------------------------------------------------------
 

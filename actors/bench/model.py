@@ -1,4 +1,4 @@
-"""`python -m kernels.bench`: prefill and decode speed of our executor vs HF transformers.
+"""`bin/engine bench model`: prefill and decode speed of our executor vs HF transformers.
 
 Prints prefill tokens/s on a 512-token prompt, decode step time at batch 1, 8 and 32 with a
 realistic context (128 tokens each by default), the share of a decode step spent in the LM
@@ -10,27 +10,16 @@ machine is shared; the best run is the least disturbed one).
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
+from actors.bench.timing import time_calls
 from kernels.attention import make_attention_backend
 from kernels.config import ModelConfig
 from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import KVCache, ReqToTokenTable
 from kernels.model_executor import ModelExecutor
 from kernels.models import load_model, resolve_model_source
-
-
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _prompts(config: ModelConfig, count: int, length: int, seed: int) -> list[list[int]]:
@@ -70,7 +59,7 @@ def bench_ours(config, model, args) -> dict[str, float]:
     engine = _OurEngine(config, model, max(args.batches), max(args.prefill_len,
                                                                 args.context + 64))
     prompt = _prompts(config, 1, args.prefill_len, seed=0)
-    seconds = _best_time(lambda: engine.prefill(prompt), args.repeats)
+    seconds = time_calls(lambda: engine.prefill(prompt), args.repeats).best
     results["prefill_tok_s"] = args.prefill_len / seconds
     for batch in args.batches:
         prompts = _prompts(config, batch, args.context, seed=batch)
@@ -78,9 +67,9 @@ def bench_ours(config, model, args) -> dict[str, float]:
         lens = [args.context] * batch
         tokens = [p[-1] for p in prompts]
         # Re-decoding at the same position overwrites the same slot: a steady-state step.
-        step = _best_time(lambda: engine.decode_step(lens, tokens), args.repeats)
+        step = time_calls(lambda: engine.decode_step(lens, tokens), args.repeats).best
         hidden = torch.randn(batch, config.hidden, dtype=model.embed_tokens.weight.dtype)
-        head = _best_time(lambda: engine.executor.lm_head(hidden), args.repeats)
+        head = time_calls(lambda: engine.executor.lm_head(hidden), args.repeats).best
         results[f"decode_b{batch}_ms"] = step * 1000
         results[f"decode_b{batch}_tok_s"] = batch / step
         results[f"lm_head_b{batch}_share"] = head / step
@@ -101,7 +90,7 @@ def bench_hf(args) -> dict[str, float]:
     results: dict[str, float] = {}
     prompt = torch.tensor(_prompts(config, 1, args.prefill_len, seed=0))
     with torch.inference_mode():
-        seconds = _best_time(lambda: hf(prompt, logits_to_keep=1), args.repeats)
+        seconds = time_calls(lambda: hf(prompt, logits_to_keep=1), args.repeats).best
         results["prefill_tok_s"] = args.prefill_len / seconds
         for batch in args.batches:
             ids = torch.tensor(_prompts(config, batch, args.context, seed=batch))
@@ -113,7 +102,7 @@ def bench_hf(args) -> dict[str, float]:
                 hf(step_ids, cache=cache, use_cache=True)
                 cache.crop(-1)  # drop the step's token: the context length stays steady
 
-            seconds = _best_time(step, args.repeats)
+            seconds = time_calls(step, args.repeats).best
             results[f"decode_b{batch}_ms"] = seconds * 1000
             results[f"decode_b{batch}_tok_s"] = batch / seconds
     return results

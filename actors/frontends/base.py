@@ -1,10 +1,14 @@
-"""The client side of the engine inside one process: a frontend actor and `EngineClient`.
+"""What every frontend shares: one stream per request, and an abort when its reader leaves.
 
-The frontend actor receives `OutputBatch` messages (it is the `reply_to` of the
-requests its client submits) and routes each chunk to the stream of its
-request. `EngineClient` is the Python API over it: `generate` yields chunks,
-`complete` gathers one result; leaving a stream early aborts the request.
-The HTTP gateway and the offline API are built on it.
+A frontend is an actor that submits requests to the tokenizer with itself as `reply_to`, so
+its inbox is `OutputBatch`; `FrontendActor` routes each chunk to its request's stream
+(`StreamRouter`). `EngineClient` is the API over it: `generate` yields a request's chunks,
+`complete` gathers one result. Invariant: a request whose reader stops before its final
+chunk (the generator is closed, or its task cancelled) is aborted, so its KV goes back.
+
+The three frontends are this base (the in-process one: offline API, `bin/engine generate`),
+the HTTP gateway (`actors.frontends.http`) and the ZeroMQ endpoint
+(`actors.frontends.zmq_endpoint`).
 """
 
 from __future__ import annotations
@@ -70,14 +74,27 @@ class StreamRouter:
 
 
 class FrontendActor(Actor):
+    """Base of the frontends: `self.client` submits as this actor; chunks reach its streams.
+
+    Subclasses that override `on_start` call `super().on_start()` first.
+    """
+
     inbox = OutputBatch
 
-    def __init__(self, router: StreamRouter) -> None:
-        self.router = router
+    def __init__(self, tokenizer: str = "tokenizer") -> None:
+        self.tokenizer_name = tokenizer
+        self.router = StreamRouter()
+        self.client: EngineClient | None = None
+
+    async def on_start(self) -> None:
+        self.client = EngineClient(self.ref(self.tokenizer_name), self.router, self.name)
 
     async def handle(self, msg, sender):
         self.router.deliver(msg.chunks)
         return None
+
+    def stats(self) -> dict[str, int | float]:
+        return {"open_streams": len(self.router)}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Benchmark the lm_head candidates (and the sampler) at decode batch sizes.
 
-Run ``python -m kernels.bench_lm_head`` (Gemma 3 270M head: V=262144, H=640). Prints one
+Run ``python -m actors.bench.lm_head`` (Gemma 3 270M head: V=262144, H=640). Prints one
 markdown table per dtype: best and median wall ms per call for each backend at each N, and the
 max error relative to F.linear's largest logit. ``--sampler`` adds a table of Sampler.sample
 costs for common parameter mixes. Numbers on a shared machine are noisy: prefer the best column.
@@ -10,29 +10,27 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import time
 from collections.abc import Callable
 
+import msgspec
 import torch
 import torch.nn.functional as F
 import torch.utils.mkldnn
 from torch import Tensor
 
+from actors.bench.timing import time_calls
 from kernels.lm_head import LmHead
-from kernels.sampling import Sampler, SamplingParams
+from kernels.sampling import Sampler
+from transport.messages.params import GenerationParams
 
 CHUNK_ROWS = 16384
 
 
 def _time_ms(fn: Callable[[], object], reps: int) -> tuple[float, float]:
-    fn()  # warmup (oneDNN builds its primitive for the shape on first use)
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return min(samples), statistics.median(samples)
+    """(best, median) ms; the warm-up lets oneDNN build its primitive for the shape."""
+    t = time_calls(fn, reps)
+    return t.best * 1e3, t.median * 1e3
 
 
 def _vocab_chunked(weight: Tensor) -> Callable[[Tensor], Tensor]:
@@ -87,13 +85,13 @@ def bench_head(vocab: int, hidden_size: int, sizes: list[int], reps: int,
     print(f"\nLmHead(backend='auto') plan: {auto.plan}")
 
 
-SAMPLER_MIXES: dict[str, SamplingParams] = {
-    "greedy": SamplingParams(temperature=0.0),
-    "temperature 0.8": SamplingParams(temperature=0.8),
-    "top_p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
-    "top_k 50 + top_p 0.9": SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
-    "min_p 0.05": SamplingParams(min_p=0.05),
-    "penalties + logprobs 5": SamplingParams(temperature=0.8, repetition_penalty=1.1,
+SAMPLER_MIXES: dict[str, GenerationParams] = {
+    "greedy": GenerationParams(temperature=0.0),
+    "temperature 0.8": GenerationParams(temperature=0.8),
+    "top_p 0.95": GenerationParams(temperature=0.8, top_p=0.95),
+    "top_k 50 + top_p 0.9": GenerationParams(temperature=0.7, top_k=50, top_p=0.9),
+    "min_p 0.05": GenerationParams(min_p=0.05),
+    "penalties + logprobs 5": GenerationParams(temperature=0.8, repetition_penalty=1.1,
                                              frequency_penalty=0.3, presence_penalty=0.2,
                                              logprobs=True, top_logprobs=5),
 }
@@ -118,7 +116,7 @@ def bench_sampler(vocab: int, sizes: list[int], reps: int,
         for n in sizes:
             sampler = Sampler(num_threads=sampler_threads)
             for rid in range(n):
-                sampler.add_request(rid, SamplingParams(**{**params.__dict__, "seed": rid}),
+                sampler.add_request(rid, msgspec.structs.replace(params, seed=rid),
                                     list(range(rid, rid + 500)))
             rids = list(range(n))
             # sample() edits its logits in place: hand it a fresh copy made outside the clock.

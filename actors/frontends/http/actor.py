@@ -1,7 +1,7 @@
 """The gateway actor: owns the HTTP server (uvicorn) and is the frontend of its requests.
 
-Its inbox is `OutputBatch`: it is the `reply_to` of every request its `EngineClient`
-submits, and routes each chunk to the request's stream (`StreamRouter`). `on_start` binds
+A `FrontendActor`: it is the `reply_to` of every request its `EngineClient` submits, and
+routes each chunk to the request's stream. `on_start` binds
 the listening socket itself, so a port in use fails `on_start` (the actor crashes loudly
 and the engine stops), then serves uvicorn in a background task of the actor. The engine
 owns signals; uvicorn's signal capture is turned off. Stopping the actor closes the
@@ -17,13 +17,13 @@ from collections.abc import Iterator, Sequence
 import anyio
 import uvicorn
 
-from actors.frontend import EngineClient, StreamRouter
-from actors.gateway.app import MAX_BODY_BYTES, GatewayApp
-from actors.gateway.metrics import GatewayMetrics
-from actors.runtime import Actor, RemoteError
+from actors.frontends.base import FrontendActor
+from actors.frontends.http.app import MAX_BODY_BYTES, GatewayApp
+from actors.frontends.http.metrics import GatewayMetrics
+from actors.runtime import RemoteError
 from transport.channel import ChannelClosed
 from transport.messages.alloc import KvStats, KvStatsRequest
-from transport.messages.engine import OutputBatch, SchedulerStats, SchedulerStatsRequest
+from transport.messages.engine import SchedulerStats, SchedulerStatsRequest
 
 HEALTH_TIMEOUT_S = 1.0
 STATS_TIMEOUT_S = 2.0
@@ -53,9 +53,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-class GatewayActor(Actor):
-    inbox = OutputBatch
-
+class GatewayActor(FrontendActor):
     def __init__(
         self,
         host: str = "127.0.0.1",
@@ -69,26 +67,26 @@ class GatewayActor(Actor):
         allocator: str = "allocator",
         max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
+        super().__init__(tokenizer)
         self.host = host
         self.port = port
         self.api_key = api_key or None
         self.model_name = model_name
         self.context_len = context_len
         self.watched_actors = list(watched_actors)
-        self.tokenizer_name = tokenizer
         self.scheduler_name = scheduler
         self.allocator_name = allocator
         self.max_body_bytes = max_body_bytes
-        self.router = StreamRouter()
         self.metrics = GatewayMetrics()
         self.bound_port: int | None = None
         self._sock: socket.socket | None = None
         self._server: _EmbeddedServer | None = None
 
     async def on_start(self) -> None:
-        client = EngineClient(self.ref(self.tokenizer_name), self.router, self.name)
+        await super().on_start()
+        assert self.client is not None
         self.app = GatewayApp(
-            client=client,
+            client=self.client,
             model_name=self.model_name,
             context_len=self.context_len,
             api_key=self.api_key,
@@ -151,10 +149,6 @@ class GatewayActor(Actor):
         if self._sock is not None:
             self._sock.close()
 
-    async def handle(self, msg, sender):
-        self.router.deliver(msg.chunks)
-        return None
-
     # ---- probes given to the app -------------------------------------------------------------
 
     async def probe_health(self) -> dict[str, str | None]:
@@ -188,6 +182,5 @@ class GatewayActor(Actor):
         return results.get("s"), results.get("k")  # type: ignore[return-value]
 
     def stats(self) -> dict[str, int | float]:
-        return {"open_streams": len(self.router), **{
-            f"requests_{k}": v for k, v in self.metrics.requests.items()
-        }}
+        requests = {f"requests_{k}": v for k, v in self.metrics.requests.items()}
+        return {**super().stats(), **requests}

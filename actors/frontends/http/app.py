@@ -26,8 +26,8 @@ import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.frontend import EngineClient, GenerationError
-from actors.gateway.errors import (
+from actors.frontends.base import EngineClient, GenerationError
+from actors.frontends.http.errors import (
     NOT_FOUND,
     SERVER_ERROR,
     UNAVAILABLE,
@@ -36,7 +36,7 @@ from actors.gateway.errors import (
     from_decode_error,
     from_generation_error,
 )
-from actors.gateway.generation import (
+from actors.frontends.http.generation import (
     ChatRenderer,
     ChoiceState,
     CompletionRenderer,
@@ -47,16 +47,16 @@ from actors.gateway.generation import (
     completion_jobs,
     usage_of,
 )
-from actors.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from actors.gateway.metrics import GatewayMetrics
-from actors.gateway.schemas import (
+from actors.frontends.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from actors.frontends.http.metrics import GatewayMetrics
+from actors.frontends.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
     SamplingRequest,
 )
-from actors.gateway.sse import DONE_EVENT, SSE_HEADERS, sse_event
+from actors.frontends.http.sse import DONE_EVENT, SSE_HEADERS, sse_event
 from transport.channel import ChannelClosed
 from transport.messages.alloc import KvStats
 from transport.messages.engine import OutputChunk, SchedulerStats

@@ -11,17 +11,24 @@ emitted, and the scheduler is told to end the request.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import anyio
 
-from actors.chat_template import ChatTemplateError, render_chat
-from actors.detokenizer import IncrementalDetokenizer
+from actors.tokenizer.chat_template import ChatTemplateError, render_chat
+from actors.tokenizer.detokenizer import IncrementalDetokenizer
 from actors.runtime import Actor
+from actors.tokenizer.validation import (
+    ERR_INVALID_REQUEST,
+    BadRequest,
+    check_params,
+    check_prompt_ids,
+    check_prompt_source,
+    fit_to_context,
+)
 from transport.messages.control import ErrorReply
 from transport.messages.engine import (
-    FINISH_STOP,
+    FinishReason,
     AbortGeneration,
     Accepted,
     EndRequests,
@@ -35,15 +42,7 @@ from transport.messages.engine import (
     TokenLogprob,
 )
 
-ERR_INVALID_REQUEST = "invalid_request"  # ErrorReply code for bad client input (HTTP 400)
-MAX_STOP_STRINGS = 16
 OFFLOAD_ENCODE_CHARS = 8192  # longer prompts are tokenized in a worker thread
-MAX_STOP_STRING_CHARS = 256
-MAX_TOP_LOGPROBS = 20
-
-
-class BadRequest(ValueError):
-    """Invalid client input; the gateway maps it to HTTP 400."""
 
 
 @dataclass
@@ -56,51 +55,6 @@ class _Stream:
     cached_tokens: int = 0
     completion_tokens: int = 0
     stopped: bool = False  # a stop string or id ended the text; later tokens are dropped
-
-
-def validate_params(p: GenerationParams, vocab: int) -> None:
-    def bad(field: str, why: str) -> None:
-        raise BadRequest(f"{field}: {why}")
-
-    if p.max_tokens < 1:
-        bad("max_tokens", f"must be >= 1, got {p.max_tokens}")
-    if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
-        bad("min_tokens", f"must be in [0, max_tokens], got {p.min_tokens}")
-    for name in (
-        "temperature",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-    ):
-        if not math.isfinite(getattr(p, name)):
-            bad(name, "must be a finite number")
-    if not 0.0 <= p.temperature <= 2.0:
-        bad("temperature", f"must be in [0, 2], got {p.temperature}")
-    if not 0.0 < p.top_p <= 1.0:
-        bad("top_p", f"must be in (0, 1], got {p.top_p}")
-    if p.top_k < -1:
-        bad("top_k", f"must be -1 or 0 (off) or >= 1, got {p.top_k}")
-    if not 0.0 <= p.min_p <= 1.0:
-        bad("min_p", f"must be in [0, 1], got {p.min_p}")
-    if not 0.0 < p.repetition_penalty <= 2.0:
-        bad("repetition_penalty", f"must be in (0, 2], got {p.repetition_penalty}")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if not -2.0 <= getattr(p, name) <= 2.0:
-            bad(name, f"must be in [-2, 2], got {getattr(p, name)}")
-    if p.seed is not None and not 0 <= p.seed < 2**63:
-        bad("seed", f"must be in [0, 2^63), got {p.seed}")
-    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
-        bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
-    if len(p.stop) > MAX_STOP_STRINGS:
-        bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
-    for s in p.stop:
-        if not s or len(s) > MAX_STOP_STRING_CHARS:
-            bad("stop", f"stop strings must have 1..{MAX_STOP_STRING_CHARS} characters")
-    for t in p.stop_token_ids:
-        if not 0 <= t < vocab:
-            bad("stop_token_ids", f"token id {t} outside the vocabulary [0, {vocab})")
 
 
 class TokenizerActor(Actor):
@@ -139,17 +93,11 @@ class TokenizerActor(Actor):
         raise TypeError(f"unexpected message {type(msg).__name__}")
 
     async def encode_prompt(self, msg: GenerateRequest) -> list[int]:
-        given = [x is not None for x in (msg.prompt, msg.prompt_ids, msg.messages)]
-        if sum(given) != 1:
-            raise BadRequest("give exactly one of prompt, prompt_ids, messages")
+        check_prompt_source(msg)
         if msg.prompt_ids is not None:
-            bad = [t for t in msg.prompt_ids if not 0 <= t < self.vocab]
-            if bad:
-                raise BadRequest(f"prompt: token ids {bad[:5]} outside the vocabulary")
+            check_prompt_ids(msg.prompt_ids, self.vocab)
             return list(msg.prompt_ids)
         if msg.prompt is not None:
-            if not msg.prompt:
-                raise BadRequest("prompt is empty")
             return await self._encode(msg.prompt, True)
         template = self.bundle.chat_template
         if not template:
@@ -176,18 +124,9 @@ class TokenizerActor(Actor):
     async def _on_generate(self, msg: GenerateRequest) -> Accepted:
         if msg.client_rid in self.by_client:
             raise BadRequest(f"request id {msg.client_rid!r} is already running")
-        p = msg.params
-        validate_params(p, self.vocab)
+        check_params(msg.params, self.vocab)
         ids = await self.encode_prompt(msg)
-        if not ids:
-            raise BadRequest("prompt is empty")
-        if len(ids) >= self.context_len:
-            raise BadRequest(
-                f"prompt is {len(ids)} tokens; this model's context is {self.context_len} tokens"
-            )
-        room = self.context_len - len(ids)
-        if p.max_tokens > room:
-            p = _replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room))
+        p = fit_to_context(msg.params, len(ids), self.context_len)
         rid = next(self._rids)
         detok = IncrementalDetokenizer(
             self.bundle.tokenizer,
@@ -229,7 +168,7 @@ class TokenizerActor(Actor):
             reason = None
             matched = None
             if delta is not None and delta.finished_by_stop is not None:
-                reason, matched = FINISH_STOP, delta.finished_by_stop
+                reason, matched = FinishReason.STOP, delta.finished_by_stop
                 st.stopped = True
                 if not finish:
                     stop_now.append(rid)
@@ -238,7 +177,7 @@ class TokenizerActor(Actor):
                 text += tail.text
                 reason = finish
                 if tail.finished_by_stop is not None:
-                    reason, matched = FINISH_STOP, tail.finished_by_stop
+                    reason, matched = FinishReason.STOP, tail.finished_by_stop
             lps = (
                 self._logprobs(batch, first, toks) if st.params.logprobs and batch.logprobs else []
             )
@@ -258,7 +197,7 @@ class TokenizerActor(Actor):
             if finish:
                 self._close(rid)
         if stop_now:
-            await self.scheduler.send(EndRequests(rids=stop_now, reason=FINISH_STOP))
+            await self.scheduler.send(EndRequests(rids=stop_now, reason=FinishReason.STOP))
         for dest, chunks in out.items():
             await self.ref(dest).send(OutputBatch(chunks=chunks))
 
@@ -297,9 +236,3 @@ def _msg_dict(m) -> dict:
     if m.name is not None:
         d["name"] = m.name
     return d
-
-
-def _replace(p: GenerationParams, **changes) -> GenerationParams:
-    import msgspec
-
-    return msgspec.structs.replace(p, **changes)

@@ -14,29 +14,25 @@ import argparse
 import signal
 import sys
 import time
-import tomllib
 
 import anyio
 
 
-def _overrides(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs or []:
-        key, sep, raw = pair.partition("=")
-        if not sep or "." not in key:
-            raise SystemExit(f"--set expects section.key=value, got {pair!r}")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        out[key.replace(".", "__", 1)] = value
-    return out
+def load_config(config_path: str | None, pairs: list[str] | None, **extra):
+    """The config of a command: file, then `--set` pairs, then `extra` ("section.key");
+    exits with the message naming the bad key (before anything starts)."""
+    from actors.app.config import ConfigError, EngineConfig, parse_overrides
+
+    try:
+        overrides = parse_overrides(pairs)
+        overrides.update(extra)
+        return EngineConfig.load(config_path, overrides)
+    except ConfigError as exc:
+        raise SystemExit(f"bin/engine: {exc}") from None
 
 
 def _config(args, **extra):
-    from actors.engine import EngineConfig
-
-    return EngineConfig.load(args.config, **_overrides(args.set), **extra)
+    return load_config(args.config, args.set, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _generate(args) -> int:
-    from actors.engine import ServingEngine
-    from actors.frontend import GenerationError
+    from actors.app.serving import ServingEngine
+    from actors.frontends.base import GenerationError
     from transport.messages.engine import ChatMessage, GenerationParams
 
     params = GenerationParams(
@@ -118,13 +114,14 @@ async def _generate(args) -> int:
 
 
 async def _serve(args) -> int:
-    from actors.engine import ServingEngine, serving_specs
+    from actors.app.serving import ServingEngine
+    from actors.app.specs import serving_specs
 
     extra = {}
     for key, value in (("host", args.host), ("port", args.port), ("api_key", args.api_key)):
         if value is not None:
-            extra[f"server__{key}"] = value
-    cfg = _config(args, **extra)
+            extra[f"server.{key}"] = value
+    cfg = load_config(args.config, args.set, **extra)
     async with ServingEngine(cfg, extra_specs=serving_specs(cfg, zmq_address=args.zmq)) as eng:
         print(
             f"kvactor serving {cfg.server.model_name} on http://{cfg.server.host}:{cfg.server.port}"
@@ -142,7 +139,7 @@ async def _serve(args) -> int:
                         return
 
             tg.start_soon(on_signal)
-            crash = await eng.engine.wait_stopped()
+            crash = await eng.system.wait_stopped()
             tg.cancel_scope.cancel()
     return 1 if crash is not None else 0
 
@@ -150,15 +147,15 @@ async def _serve(args) -> int:
 def _bench(args) -> int:
     sys.argv = [f"bench {args.what}", *args.rest]
     if args.what == "transport":
-        from transport.bench import main as run
+        from actors.bench.transport import main as run
     elif args.what == "model":
-        from kernels.bench import main as run
+        from actors.bench.model import main as run
     elif args.what == "lm_head":
-        from kernels.bench_lm_head import main as run
+        from actors.bench.lm_head import main as run
     elif args.what == "serving":
-        from actors.bench_serving import main as run
+        from actors.bench.serving import main as run
     else:
-        from actors.bench_engine import main as run
+        from actors.bench.engine import main as run
     result = run()
     return result if isinstance(result, int) else 0
 

@@ -12,8 +12,8 @@ import re
 
 import msgspec
 
-from actors.frontend import GenerationError
-from actors.tokenizer import ERR_INVALID_REQUEST
+from actors.frontends.base import GenerationError
+from actors.tokenizer.actor import ERR_INVALID_REQUEST
 
 # OpenAI error "type" values.
 INVALID_REQUEST = "invalid_request_error"

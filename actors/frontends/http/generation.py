@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from actors.gateway.errors import ApiError
-from actors.gateway.schemas import (
+from actors.frontends.http.errors import ApiError
+from actors.frontends.http.schemas import (
     MAX_CHOICES,
     MAX_PROMPTS,
     ChatChoice,

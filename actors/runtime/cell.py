@@ -22,21 +22,22 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, TypeVar, overload
+from typing import Any, Final
 
 import anyio
 import anyio.lowlevel
 import msgspec
 import zmq
 from anyio.abc import TaskGroup, TaskStatus
-from structlog.typing import FilteringBoundLogger
 
-from actors.logging import debug_enabled, get_logger
-from transport.channel import ChannelClosed, ClientChannel, Envelope, ServerChannel
-from transport.codec import Codec, DecodeFailure, any_message_codec, flatten_message_types
+from actors.runtime.actor import Actor, inbox_codec
+from actors.runtime.errors import HandledError, describe_exception, format_traceback, root_exception
+from actors.runtime.logging import debug_enabled, get_logger
+from actors.runtime.refs import DEFAULT_CALL_TIMEOUT_S, RefBook
+from transport.channel import Envelope, ServerChannel
+from transport.codec import DecodeFailure
 from transport.messages.base import Message
 from transport.messages.control import (
     ERR_BAD_MESSAGE,
@@ -46,272 +47,21 @@ from transport.messages.control import (
     ErrorReply,
     Ping,
     Pong,
-    RuntimeControl,
     Shutdown,
     StatsReply,
     StatsRequest,
 )
 
-R = TypeVar("R", bound=Message)
 
-DEFAULT_CALL_TIMEOUT_S: Final = 30.0
-DEFAULT_SEND_TIMEOUT_S: Final = 10.0
 # Bounds on lifecycle hooks so a stuck actor can never hang start-up or shutdown.
 DEFAULT_START_TIMEOUT_S: Final = 30.0
 DEFAULT_STOP_TIMEOUT_S: Final = 5.0
 # A mailbox loop yields to the event loop after this many messages that needed no wait.
 _MESSAGES_PER_YIELD: Final = 32
-_TRACEBACK_LIMIT_CHARS: Final = 8000
 _BIND_RETRY_S: Final = 2.0
 
 _ACK_PAYLOAD: Final = msgspec.msgpack.encode(Ack())
 _encoder = msgspec.msgpack.Encoder()
-
-
-class HandledError(Exception):
-    """An expected failure inside ``handle``: logged and counted, never crashes the actor."""
-
-
-class RemoteError(Exception):
-    """The callee answered a call with ``ErrorReply``."""
-
-    def __init__(self, actor: str, reply: ErrorReply) -> None:
-        super().__init__(f"{actor}: {reply.code}: {reply.message}")
-        self.actor = actor
-        self.reply = reply
-
-
-class UnexpectedReply(Exception):
-    """A call's reply was not of the type the caller asked for (``call(..., expect=...)``)."""
-
-
-def _format_traceback(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception(exc))
-    return text[-_TRACEBACK_LIMIT_CHARS:]
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def root_exception(exc: BaseException) -> BaseException:
-    """The first leaf of nested exception groups (task groups wrap child failures)."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc
-
-
-class ActorRef:
-    """A handle to one actor by name: ``call`` (request/reply) and ``send`` (fire-and-forget).
-
-    Owns one DEALER connection; safe to use from many tasks at once. ``close`` it when done
-    (the runtime closes the refs it hands out).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        address: str,
-        *,
-        sender: str = "",
-        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
-    ) -> None:
-        self.name = name
-        self.address = address
-        self.call_timeout_s = call_timeout_s
-        self.send_timeout_s = send_timeout_s
-        self._channel = ClientChannel(address, sender=sender)
-
-    @overload
-    async def call(self, message: Message, *, timeout: float | None = None) -> Message: ...
-
-    @overload
-    async def call(
-        self, message: Message, *, expect: type[R], timeout: float | None = None
-    ) -> R: ...
-
-    async def call(
-        self,
-        message: Message,
-        *,
-        expect: type[Message] | None = None,
-        timeout: float | None = None,
-    ) -> Message:
-        """Send ``message`` and return the reply.
-
-        Raises ``RemoteError`` when the actor answers with ``ErrorReply``, ``TimeoutError``
-        when no reply comes within ``timeout`` (default ``call_timeout_s``), ``ChannelClosed``
-        when this ref is closed, and ``UnexpectedReply`` when ``expect`` is given and the
-        reply is of another type. Without ``expect`` the reply is decoded against every
-        message class imported in this process, so the reply's module must be imported.
-        """
-        limit = self.call_timeout_s if timeout is None else timeout
-        try:
-            payload = await self._channel.call(_encoder.encode(message), timeout=limit)
-        except TimeoutError:
-            raise TimeoutError(
-                f"actor {self.name!r} did not answer {type(message).__name__} within {limit} s"
-            ) from None
-        codec = any_message_codec() if expect is None else _reply_codec(expect)
-        reply = codec.decode(payload)
-        if isinstance(reply, DecodeFailure):
-            if expect is not None and reply.kind == "unknown_tag":
-                raise UnexpectedReply(
-                    f"actor {self.name!r} answered {type(message).__name__} with something "
-                    f"other than {expect.__name__}: {reply}"
-                )
-            raise RemoteError(
-                self.name, ErrorReply(code=ERR_BAD_REPLY, message=f"undecodable reply: {reply}")
-            )
-        if isinstance(reply, ErrorReply):
-            raise RemoteError(self.name, reply)
-        return reply
-
-    async def send(self, message: Message, *, timeout: float | None = None) -> None:
-        """Fire-and-forget. Waits only while the connection's queue is full."""
-        limit = self.send_timeout_s if timeout is None else timeout
-        await self._channel.send(_encoder.encode(message), timeout=limit)
-
-    async def ping(self, *, timeout: float = 1.0) -> Pong:
-        return await self.call(Ping(), expect=Pong, timeout=timeout)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._channel.closed
-
-    def __repr__(self) -> str:
-        return f"ActorRef({self.name!r}, {self.address!r})"
-
-
-_reply_codecs: dict[type[Message], Codec[Message]] = {}
-
-
-def _reply_codec(expect: type[Message]) -> Codec[Message]:
-    """Decoder for a call whose caller named the reply type: that type or ErrorReply."""
-    codec = _reply_codecs.get(expect)
-    if codec is None:
-        codec = Codec((expect, ErrorReply))
-        _reply_codecs[expect] = codec
-    return codec
-
-
-class RefBook:
-    """Creates and caches ``ActorRef``s by actor name for one sender; closes them together."""
-
-    def __init__(
-        self,
-        directory: Mapping[str, str],
-        *,
-        sender: str,
-        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-    ) -> None:
-        self._directory = directory
-        self._sender = sender
-        self._call_timeout_s = call_timeout_s
-        self._refs: dict[str, ActorRef] = {}
-        self._closed = False
-
-    def ref(self, name: str) -> ActorRef:
-        existing = self._refs.get(name)
-        if existing is not None:
-            return existing
-        if self._closed:
-            raise ChannelClosed(f"refs of {self._sender!r} are closed")
-        address = self._directory.get(name)
-        if address is None:
-            known = ", ".join(sorted(n for n in self._directory if not n.startswith("_")))
-            raise KeyError(f"no actor named {name!r} (known: {known})")
-        ref = ActorRef(name, address, sender=self._sender, call_timeout_s=self._call_timeout_s)
-        self._refs[name] = ref
-        return ref
-
-    def close(self) -> None:
-        self._closed = True
-        for ref in self._refs.values():
-            ref.close()
-        self._refs.clear()
-
-
-class Actor:
-    """Base class of every actor. Subclasses set ``inbox`` and implement ``handle``.
-
-    ``handle`` is called strictly one message at a time, in arrival order. For a call, the
-    returned message is the reply (``None`` -> ``Ack``). The runtime binds ``name`` (from the
-    spec) before ``on_start``; ``ref``, ``spawn``, ``every`` and ``log`` are usable from
-    ``on_start`` on.
-    """
-
-    name: str = ""
-    # A message class, a Union / ``A | B`` of them, or a tuple. Ping, Shutdown and
-    # StatsRequest are always accepted in addition (the runtime answers them).
-    inbox: ClassVar[Any] = ()
-
-    _cell: ActorCell | None = None
-
-    async def on_start(self) -> None:
-        """Called once before the first message. Raising here crashes the actor."""
-
-    async def on_stop(self) -> None:
-        """Called once on shutdown or after a crash (bounded by a timeout, shielded)."""
-
-    async def handle(self, message: Any, sender: Envelope) -> Message | None:
-        raise NotImplementedError(f"{type(self).__name__} does not handle {type(message)}")
-
-    def stats(self) -> dict[str, int | float]:
-        """Actor-specific counters, merged into the runtime's ``StatsReply``."""
-        return {}
-
-    # Runtime services -------------------------------------------------------------------
-
-    def ref(self, name: str) -> ActorRef:
-        """A ref to another actor of the engine, sending as this actor (cached)."""
-        return self._bound_cell().refs.ref(name)
-
-    def spawn(self, function: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Run ``function(*args)`` in this actor's task group. It is cancelled when the actor
-        stops; if it raises, the actor crashes."""
-        self._bound_cell().spawn(function, *args)
-
-    def every(self, interval_s: float, function: Callable[[], Awaitable[Any]]) -> None:
-        """Call ``function()`` every ``interval_s`` seconds (drift-free) in the background."""
-        if interval_s <= 0:
-            raise ValueError("interval_s must be positive")
-
-        async def tick() -> None:
-            deadline = anyio.current_time()
-            while True:
-                deadline += interval_s
-                await anyio.sleep_until(deadline)
-                await function()
-
-        self.spawn(tick)
-
-    @property
-    def log(self) -> FilteringBoundLogger:
-        return self._bound_cell().log
-
-    def _bound_cell(self) -> ActorCell:
-        cell = self._cell
-        if cell is None:
-            raise RuntimeError(f"actor {type(self).__name__} is not running in a runtime")
-        return cell
-
-
-_inbox_codecs: dict[type[Actor], Codec[Message]] = {}
-
-
-def inbox_codec(actor_type: type[Actor]) -> Codec[Message]:
-    """The decoder of an actor class's inbox plus the runtime control messages (cached)."""
-    codec = _inbox_codecs.get(actor_type)
-    if codec is None:
-        declared = () if actor_type.inbox == () else flatten_message_types(actor_type.inbox)
-        codec = Codec((*declared, *flatten_message_types(RuntimeControl)))
-        _inbox_codecs[actor_type] = codec
-    return codec
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,8 +76,8 @@ class CrashReport:
         root = root_exception(exc)
         if isinstance(root, _ActorFailed) and root.__cause__ is not None:
             cause = root.__cause__
-            return cls(error=f"{root}: {_describe(cause)}", traceback=_format_traceback(cause))
-        return cls(error=_describe(root), traceback=_format_traceback(root))
+            return cls(error=f"{root}: {describe_exception(cause)}", traceback=format_traceback(cause))
+        return cls(error=describe_exception(root), traceback=format_traceback(root))
 
 
 class _ActorFailed(Exception):
@@ -453,7 +203,7 @@ class ActorCell:
                 try:
                     await self.actor.on_stop()
                 except Exception as exc:
-                    self.log.error("on_stop failed", error=_describe(exc), exc_info=exc)
+                    self.log.error("on_stop failed", error=describe_exception(exc), exc_info=exc)
             if stop_scope.cancelled_caught:
                 self.log.error("on_stop timed out", timeout_s=self.stop_timeout_s)
         self.refs.close()
@@ -488,7 +238,7 @@ class ActorCell:
                     counters.handler_errors += 1
                     self._log_handler_error(exc, message, envelope)
                     reply = ErrorReply(
-                        code=ERR_HANDLER, message=_describe(exc), detail=_format_traceback(exc)
+                        code=ERR_HANDLER, message=describe_exception(exc), detail=format_traceback(exc)
                     )
                     server.reply(incoming.peer, envelope.request_id, _encoder.encode(reply))
                     continue
@@ -553,7 +303,7 @@ class ActorCell:
             try:
                 values.update(self.actor.stats())
             except Exception as exc:
-                self.log.error("stats() failed", error=_describe(exc), exc_info=exc)
+                self.log.error("stats() failed", error=describe_exception(exc), exc_info=exc)
             reply = StatsReply(actor=self.name, values=values)
         else:
             self.log.info("shutdown requested", sender=envelope.sender)
@@ -567,9 +317,10 @@ class ActorCell:
             "message": type(message).__name__,
             "sender": envelope.sender,
             "call": envelope.is_call,
-            "error": _describe(exc),
+            "error": describe_exception(exc),
         }
         if isinstance(exc, HandledError):
             self.log.warning("handler error", **fields)
         else:
             self.log.error("handler error", exc_info=exc, **fields)
+

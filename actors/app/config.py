@@ -1,0 +1,175 @@
+"""The engine's configuration as typed data: `configs/default.toml` decoded into structs.
+
+Every TOML section is a `msgspec.Struct` with `forbid_unknown_fields`, so a config file or an
+override with an unknown key, or a value of the wrong type, fails at load time with an error
+naming the key (`ConfigError`), before any actor starts. Range checks that span sections
+(`EngineConfig.validate`) run right after decoding.
+
+Overrides are `"section.key" -> value` (values from `--set section.key=value` are parsed as
+TOML scalars, falling back to the raw string): they are merged into the file's data before
+decoding, so they get exactly the same checks.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = ROOT / "configs" / "default.toml"
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelSection(_Section):
+    path: str = ""  # "" = the embedded Gemma 3 270M; or a .gguf file / a Hugging Face folder
+    dtype: Literal["float32", "fp32", "bfloat16", "bf16"] = "bfloat16"
+    attention: Literal["torch"] = "torch"
+    threads: int = 1  # torch threads of the runner; 0 = torch's default
+
+
+class KvSection(_Section):
+    page_size: int = 16
+    num_pages: int = 1024
+    max_rows: int = 80  # concurrent requests holding KV (>= scheduler.max_running_requests)
+    context_len: int = 4096  # tokens per request (prompt + output)
+    radix: bool = True  # prefix caching
+
+
+class SchedulerSection(_Section):
+    max_running_requests: int = 64
+    max_batch_tokens: int = 1024  # tokens per step: every decode token, then prefill chunks
+    chunk_size: int = 512  # largest prefill chunk of one request in one step
+    policy: Literal["fcfs", "lpm"] = "fcfs"
+    new_token_ratio: float = 0.7  # share of max_tokens reserved at admission, decaying to
+    min_new_token_ratio: float = 0.1  # this floor while no retraction happens
+
+
+class EngineSection(_Section):
+    transport: Literal["inproc", "ipc", "tcp"] = "inproc"
+    debug_checks: bool = False  # run the KV invariant checker after every allocator message
+    groups: dict[str, str] = msgspec.field(default_factory=dict)  # actor -> process group
+
+
+class ServerSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str = ""  # "" = no auth
+    model_name: str = "gemma-3-270m"
+
+
+class EngineConfig(_Section):
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    kv: KvSection = msgspec.field(default_factory=KvSection)
+    scheduler: SchedulerSection = msgspec.field(default_factory=SchedulerSection)
+    engine: EngineSection = msgspec.field(default_factory=EngineSection)
+    server: ServerSection = msgspec.field(default_factory=ServerSection)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        **section__key: Any,
+    ) -> EngineConfig:
+        """Read a TOML config (default: `configs/default.toml`) and apply overrides.
+
+        `overrides` are keyed "section.key"; keyword arguments "section__key" do the same
+        (`EngineConfig.load(kv__num_pages=64)`). Raises `ConfigError` naming the bad key.
+        """
+        source = Path(path) if path else DEFAULT_CONFIG
+        try:
+            data = tomllib.loads(source.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config {source}: {exc}") from None
+        merged = dict(overrides or {})
+        merged.update({k.replace("__", ".", 1): v for k, v in section__key.items()})
+        for key, value in merged.items():
+            _apply_override(data, key, value)
+        try:
+            cfg = msgspec.convert(data, cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_describe_validation_error(exc)) from None
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Cross-field checks; raises `ConfigError` naming the keys involved."""
+        k, s = self.kv, self.scheduler
+        checks = [
+            (k.page_size >= 1, "kv.page_size must be >= 1"),
+            (k.num_pages >= 1, "kv.num_pages must be >= 1"),
+            (k.context_len >= 2, "kv.context_len must be >= 2"),
+            (k.max_rows >= s.max_running_requests,
+             "kv.max_rows must be >= scheduler.max_running_requests"),
+            (s.chunk_size >= 1, "scheduler.chunk_size must be >= 1"),
+            (s.max_batch_tokens > s.max_running_requests,
+             "scheduler.max_batch_tokens must exceed scheduler.max_running_requests"),
+            (0.0 <= s.min_new_token_ratio <= s.new_token_ratio <= 1.0,
+             "scheduler: 0 <= min_new_token_ratio <= new_token_ratio <= 1 must hold"),
+            (self.model.threads >= 0, "model.threads must be >= 0"),
+            (0 <= self.server.port <= 65535, "server.port must be in [0, 65535]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+
+def parse_overrides(pairs: Iterable[str] | None) -> dict[str, Any]:
+    """`["kv.num_pages=64", ...]` -> `{"kv.num_pages": 64}` (values parsed as TOML scalars,
+    else kept as the raw string, which the typed decode then accepts or names)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, raw = pair.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"--set expects section.key=value, got {pair!r}")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def _apply_override(data: dict[str, Any], key: str, value: Any) -> None:
+    section, _, name = key.partition(".")
+    sections = msgspec.structs.fields(EngineConfig)
+    by_name = {f.name: f for f in sections}
+    if section not in by_name or not name:
+        raise ConfigError(f"unknown config key {key}")
+    section_type = by_name[section].type
+    names = {f.name for f in msgspec.structs.fields(section_type)}
+    head = name.split(".", 1)[0]
+    if head not in names:
+        raise ConfigError(f"unknown config key {section}.{head}")
+    target = data.setdefault(section, {})
+    if not isinstance(target, dict):
+        raise ConfigError(f"config section [{section}] must be a table")
+    parts = name.split(".")
+    for part in parts[:-1]:  # e.g. engine.groups.runner
+        target = target.setdefault(part, {})
+    target[parts[-1]] = value
+
+
+def _describe_validation_error(exc: msgspec.ValidationError) -> str:
+    """msgspec's "... - at `$.kv.num_pages`" as "config key kv.num_pages: ..."."""
+    text = str(exc)
+    what, sep, where = text.rpartition(" - at `$")
+    if not sep:
+        return f"invalid config: {text}"
+    path = where.rstrip("`").lstrip(".")
+    unknown = "Object contains unknown field `"
+    if what.startswith(unknown):
+        field = what[len(unknown):].rstrip("`")
+        return f"unknown config key {path + '.' if path else ''}{field}"
+    return f"config key {path}: {what}"

@@ -1,0 +1,240 @@
+"""The scheduler actor: the step loop that turns `SchedulerCore`'s plans into messages.
+
+Each step (continuous batching under a token budget):
+  1. apply pending ends (aborts, stop strings) at this safe point;
+  2. decode: every running request gets one slot (`AllocDecode`, all or nothing); on a
+     shortfall, retract a victim (its computed prefix goes to the tree) and retry;
+  3. prefill: continuing chunks first, then admissions (`KvStatsRequest`, and `PeekPrefix`
+     for longest-prefix-match) under the remaining budget, in one `AllocExtend`;
+  4. one `ForwardBatchMsg` to the runner, carrying every slot delta the allocator returned;
+  5. one `TokenBatch` to the tokenizer; finished requests released in one `ReleaseBatch`,
+     non-final chunks cached in one `CacheUnfinished`.
+A decode step with no admission and no finish costs three messages whatever the batch size:
+AllocDecode (call), ForwardBatchMsg (call), TokenBatch (send).
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from actors.runtime import Actor
+from actors.scheduler.batch import PrefillWork, StepOutbox
+from actors.scheduler.core import SchedulerCore
+from actors.scheduler.policy import (
+    CutShort,
+    NewTokenRatio,
+    Policy,
+    Retract,
+    SchedulerLimits,
+    on_decode_shortfall,
+    unstick,
+)
+from actors.scheduler.request import Req
+from transport.messages.alloc import (
+    AllocDecode,
+    AllocDecodeReply,
+    AllocExtend,
+    AllocExtendReply,
+    CacheUnfinished,
+    CacheUnfinishedReply,
+    ExtendItem,
+    KvStats,
+    KvStatsRequest,
+    ReleaseBatch,
+)
+from transport.messages.engine import (
+    EndRequests,
+    SchedulerStatsRequest,
+    SubmitRequests,
+)
+from transport.messages.radix import PeekPrefix, PeekReply
+from transport.messages.runner import StepResultMsg
+
+
+class SchedulerActor(Actor):
+    inbox = SubmitRequests | EndRequests | SchedulerStatsRequest
+
+    def __init__(
+        self,
+        page_size: int,
+        row_capacity: int,
+        max_running_requests: int = 64,
+        max_batch_tokens: int = 2048,
+        chunk_size: int = 512,
+        policy: str = "fcfs",
+        radix: bool = True,
+        new_token_ratio: float = 0.7,
+        min_new_token_ratio: float = 0.1,
+        ratio_decay_steps: int = 600,
+        runner_timeout_s: float = 600.0,
+    ) -> None:
+        if policy not in tuple(Policy):
+            raise ValueError(f"policy must be 'fcfs' or 'lpm', got {policy!r}")
+        limits = SchedulerLimits(
+            page_size=page_size,
+            row_capacity=row_capacity,
+            max_running=max_running_requests,
+            max_batch_tokens=max_batch_tokens,
+            chunk_size=chunk_size,
+        )
+        ratio = NewTokenRatio(new_token_ratio, min_new_token_ratio, ratio_decay_steps)
+        self.core = SchedulerCore(limits, policy_name=Policy(policy), ratio=ratio)
+        self.radix = radix
+        self.runner_timeout_s = runner_timeout_s
+        self.wake = anyio.Event()
+        self.step_messages = 0  # messages this scheduler sent during the current step
+        self.tried_admission = False  # this step asked for KV stats to admit from the queue
+
+    # ---- mailbox -------------------------------------------------------------------------
+    async def on_start(self) -> None:
+        self.alloc = self.ref("allocator")
+        self.runner = self.ref("runner")
+        self.tokenizer = self.ref("tokenizer")
+        self.radix_ref = self.ref("radix") if self.radix else None
+        self.spawn(self._loop)
+
+    async def handle(self, msg, sender):
+        if isinstance(msg, SubmitRequests):
+            self.core.submit(msg.reqs)
+        elif isinstance(msg, EndRequests):
+            self.core.end(msg.rids, msg.reason)
+        elif isinstance(msg, SchedulerStatsRequest):
+            return self.core.stats()
+        self.wake.set()
+        return None
+
+    def stats(self) -> dict[str, int | float]:
+        core = self.core
+        return {
+            "waiting": len(core.waiting),
+            "running": len(core.running) + len(core.prefilling),
+            "steps": core.step_no,
+            "retractions": core.counters.retractions,
+            "generated_tokens": core.counters.generated_tokens,
+        }
+
+    async def _call(self, ref, msg, **kw):
+        self.step_messages += 1
+        return await ref.call(msg, **kw)
+
+    # ---- the step loop -------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            if not self.core.has_work:
+                self.wake = anyio.Event()
+                self.core.on_idle()
+                await self.wake.wait()
+            progressed = await self.step()
+            if not progressed:
+                # Nothing could run (e.g. waiting for KV held by nobody we can retract).
+                self.wake = anyio.Event()
+                with anyio.move_on_after(0.05):
+                    await self.wake.wait()
+
+    async def step(self) -> bool:
+        core = self.core
+        out = StepOutbox()
+        self.step_messages = 0
+        self.tried_admission = False
+        retractions = core.counters.retractions
+        core.apply_ends(out)
+        decode = await self._schedule_decode(out)
+        prefill = await self._schedule_prefill(len(decode))
+        if not decode and not prefill:
+            action = unstick(core.running, core.prefilling, core.waiting)
+            if isinstance(action, Retract):
+                await self._retract(action.victim)
+            elif isinstance(action, CutShort):
+                core.cut_short(action.req, out)
+            await self._flush(out)
+            return bool(out.reports) or action is not None
+        batch = core.build_batch(decode, prefill)
+        result: StepResultMsg = await self._call(
+            self.runner, batch, expect=StepResultMsg, timeout=self.runner_timeout_s
+        )
+        unfinished = core.apply_results(decode, prefill, result, out)
+        if unfinished:
+            reply = await self._call(
+                self.alloc,
+                CacheUnfinished(
+                    rids=[r.rid for r in unfinished], tokens=[r.tokens for r in unfinished]
+                ),
+                expect=CacheUnfinishedReply,
+            )
+            core.defer_deltas(reply.deltas)
+        await self._flush(out)
+        pure = (
+            not prefill
+            and not out.releases
+            and not self.tried_admission
+            and retractions == core.counters.retractions
+            and not out.any_finish
+        )
+        if pure:
+            # A decode step with no admission, no finish, no end: its cost is constant.
+            core.counters.pure_decode_steps += 1
+            core.counters.pure_decode_messages += self.step_messages
+        return True
+
+    async def _schedule_decode(self, out: StepOutbox) -> list[Req]:
+        core = self.core
+        decode = list(core.running)
+        while decode:
+            reply = await self._call(
+                self.alloc, AllocDecode(rids=[r.rid for r in decode]), expect=AllocDecodeReply
+            )
+            if reply.short_pages == 0:
+                core.on_decode_granted(decode, reply.deltas)
+                return decode
+            action = on_decode_shortfall(decode, core.prefilling)
+            if isinstance(action, CutShort):
+                # Even alone it cannot grow: the pool is too small for this context.
+                decode.remove(action.req)
+                core.cut_short(action.req, out)
+                continue
+            await self._retract(action.victim)
+            if action.victim in decode:
+                decode.remove(action.victim)
+        return decode
+
+    async def _retract(self, victim: Req) -> None:
+        await self._call(self.alloc, ReleaseBatch(items=[self.core.retract_item(victim)]))
+        self.core.on_retracted(victim)
+
+    async def _schedule_prefill(self, num_decode: int) -> list[PrefillWork]:
+        core = self.core
+        budget = core.prefill_budget(num_decode)
+        if budget <= 0:
+            return []
+        chunks = core.continuing_chunks(budget)
+        budget -= sum(c.budget for c in chunks)
+        if core.wants_admission(budget):
+            self.tried_admission = True
+            cached_lens = None
+            if core.policy is Policy.LPM and self.radix_ref is not None and len(core.waiting) > 1:
+                peek = await self._call(
+                    self.radix_ref,
+                    PeekPrefix(tokens=[r.tokens for r in core.waiting]),
+                    expect=PeekReply,
+                )
+                cached_lens = peek.lengths
+            kv = await self._call(self.alloc, KvStatsRequest(), expect=KvStats)
+            chunks += core.admissions(budget, kv, cached_lens)
+        if not chunks:
+            return []
+        reply = await self._call(
+            self.alloc,
+            AllocExtend(
+                items=[ExtendItem(rid=c.req.rid, tokens=c.req.tokens, budget=c.budget)
+                       for c in chunks]
+            ),
+            expect=AllocExtendReply,
+        )
+        return core.apply_grants(chunks, reply.grants, reply.deltas)
+
+    async def _flush(self, out: StepOutbox) -> None:
+        if out.releases:
+            await self._call(self.alloc, ReleaseBatch(items=out.releases))
+        if out.reports:
+            self.step_messages += 1
+            await self.tokenizer.send(out.token_batch())

@@ -1,0 +1,176 @@
+"""What one step sends besides its allocator calls: the forward batch and the token report.
+
+Pure builders over the scheduler's requests; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from actors.scheduler.request import Req
+from transport.messages.alloc import ReleaseItem, SlotDeltas
+from transport.messages.engine import TokenBatch
+from transport.messages.runner import ForwardBatchMsg, RunnerRequest, StepResultMsg
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillWork:
+    """Positions [start, end) of `req` are computed in this step's forward."""
+
+    req: Req
+    start: int
+    end: int
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return self.end == self.req.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One sampled token of a step, with its logprobs when the request asked."""
+
+    token: int
+    logprob: float | None = None
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def sampled_tokens(result: StepResultMsg) -> dict[int, SampledToken]:
+    """rid -> its token of the step."""
+    out = {}
+    for i, (rid, tok) in enumerate(zip(result.rids, result.tokens)):
+        if result.logprobs:
+            out[rid] = SampledToken(
+                tok,
+                result.logprobs[i],
+                tuple(result.top_ids[i]) if result.top_ids else (),
+                tuple(result.top_logprobs[i]) if result.top_logprobs else (),
+            )
+        else:
+            out[rid] = SampledToken(tok)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One line of the step's token report: new tokens of `req`, and its end if it ended."""
+
+    req: Req
+    tokens: tuple[SampledToken, ...]
+    finish: str  # "" while running, else a FinishReason
+
+
+@dataclass
+class StepOutbox:
+    """Releases and token reports collected while a step runs."""
+
+    releases: list[ReleaseItem] = field(default_factory=list)
+    reports: list[Report] = field(default_factory=list)
+
+    def report(self, req: Req, tokens: Sequence[SampledToken] = (), finish: str = "") -> None:
+        self.reports.append(Report(req, tuple(tokens), finish))
+
+    @property
+    def any_finish(self) -> bool:
+        return any(r.finish for r in self.reports)
+
+    def token_batch(self) -> TokenBatch:
+        rids, counts, toks, finish, cached = [], [], [], [], []
+        logprobs, top_ids, top_lps = [], [], []
+        any_lp = any(t.logprob is not None for r in self.reports for t in r.tokens)
+        for rep in self.reports:
+            req = rep.req
+            rids.append(req.rid)
+            counts.append(len(rep.tokens))
+            toks.extend(t.token for t in rep.tokens)
+            finish.append(str(rep.finish))
+            if not req.cached_reported and req.cached_tokens >= 0:
+                cached.append(req.cached_tokens)
+                req.cached_reported = True
+            else:
+                cached.append(-1)
+            if any_lp:
+                for t in rep.tokens:
+                    logprobs.append(0.0 if t.logprob is None else t.logprob)
+                    top_ids.append(list(t.top_ids))
+                    top_lps.append(list(t.top_logprobs))
+        return TokenBatch(
+            rids=rids,
+            counts=counts,
+            tokens=toks,
+            finish=finish,
+            cached=cached,
+            logprobs=logprobs,
+            top_ids=top_ids,
+            top_logprobs=top_lps,
+        )
+
+
+def merge_deltas(parts: Sequence[SlotDeltas]) -> SlotDeltas:
+    """One `SlotDeltas` applying `parts` in order."""
+    parts = [p for p in parts if p.rows]
+    if not parts:
+        return SlotDeltas()
+    if len(parts) == 1:
+        return parts[0]
+    return SlotDeltas(
+        rows=[x for p in parts for x in p.rows],
+        starts=[x for p in parts for x in p.starts],
+        lengths=[x for p in parts for x in p.lengths],
+        slots=[x for p in parts for x in p.slots],
+    )
+
+
+def runner_request(req: Req) -> RunnerRequest:
+    """What the runner keeps for `req` between steps (its sampler state is built from it)."""
+    p = req.params
+    return RunnerRequest(
+        rid=req.rid,
+        params=p,
+        prompt_ids=req.prompt_ids if p.repetition_penalty != 1.0 else [],
+    )
+
+
+def forward_batch(
+    step: int,
+    decode: Sequence[Req],
+    prefill: Sequence[PrefillWork],
+    deltas: Sequence[SlotDeltas],
+    finished_rids: Sequence[int],
+) -> tuple[ForwardBatchMsg, list[Req]]:
+    """The step's forward batch, and the requests it registers with the runner."""
+    rids, rows, prefix, ext, ids, need = [], [], [], [], [], []
+    for req in decode:
+        rids.append(req.rid)
+        rows.append(req.row)
+        prefix.append(req.committed - 1)
+        ext.append(1)
+        ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
+        need.append(True)
+    for work in prefill:
+        req = work.req
+        rids.append(req.rid)
+        rows.append(req.row)
+        prefix.append(work.start)
+        ext.append(work.end - work.start)
+        ids.extend(req.tokens[work.start : work.end])
+        need.append(work.is_last_chunk)
+    new: list[Req] = []
+    for req in [*decode, *(w.req for w in prefill)]:
+        if not req.registered and req not in new:
+            new.append(req)
+    batch = ForwardBatchMsg(
+        step=step,
+        rids=rids,
+        rows=rows,
+        prefix_lens=prefix,
+        extend_lens=ext,
+        input_ids=ids,
+        need_logits=need,
+        deltas=merge_deltas(deltas),
+        new_reqs=[runner_request(r) for r in new],
+        finished_rids=list(finished_rids),
+    )
+    return batch, new

@@ -1,0 +1,256 @@
+"""The scheduler's state and bookkeeping, synchronous: queues, counters, and step plans.
+
+`SchedulerCore` owns the waiting queue, the prefilling and running sets and the step's
+bookkeeping; its methods apply the policy (`actors.scheduler.policy`) and the allocator's and
+runner's replies to that state. It never sends or awaits: `SchedulerActor` calls it between
+its messages, and the policy tests drive it directly with plain data.
+
+A request is in exactly one of `waiting`, `prefilling` (admitted, prompt not fully in KV)
+and `running` (decoding) while it is in `reqs`; it leaves `reqs` when it finishes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from actors.scheduler import policy
+from actors.scheduler.batch import PrefillWork, StepOutbox, forward_batch, sampled_tokens
+from actors.scheduler.policy import Chunk, NewTokenRatio, Policy, SchedulerLimits
+from actors.scheduler.request import Req
+from transport.messages.alloc import ExtendGrantItem, KvStats, ReleaseItem, ReleaseKind, SlotDeltas
+from transport.messages.engine import FinishReason, NewRequest, SchedulerStats
+from transport.messages.runner import ForwardBatchMsg, StepResultMsg
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    decode_steps: int = 0
+    retractions: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+    pure_decode_steps: int = 0  # decode steps with no admission, finish or end
+    pure_decode_messages: int = 0  # messages the scheduler sent during those steps
+
+
+class SchedulerCore:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        *,
+        policy_name: Policy = Policy.FCFS,
+        ratio: NewTokenRatio,
+    ) -> None:
+        self.limits = limits
+        self.policy = Policy(policy_name)
+        self.ratio = ratio
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []
+        self.running: list[Req] = []
+        self.reqs: dict[int, Req] = {}
+        self.pending_ends: dict[int, FinishReason] = {}
+        self.unregister: list[int] = []  # sampler states the runner may drop
+        self.carry_deltas: list[SlotDeltas] = []  # row rewrites to ship with the next batch
+        self.step_no = 0
+        self.counters = SchedulerCounters()
+
+    # ---- arrivals and ends ---------------------------------------------------------------
+    def submit(self, new: Sequence[NewRequest]) -> None:
+        for n in new:
+            p = n.params
+            req = Req(
+                rid=n.rid,
+                prompt_ids=list(n.prompt_ids),
+                params=p,
+                eos_ids=frozenset(() if p.ignore_eos else n.eos_ids),
+                stop_ids=frozenset(p.stop_token_ids),
+            )
+            self.reqs[req.rid] = req
+            self.waiting.append(req)
+
+    def end(self, rids: Sequence[int], reason: FinishReason) -> None:
+        """Ask to end these requests at the next safe point (unknown rids are ignored)."""
+        for rid in rids:
+            if rid in self.reqs:
+                self.pending_ends.setdefault(rid, reason)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running or self.pending_ends)
+
+    def on_idle(self) -> None:
+        self.ratio.reset()
+
+    def apply_ends(self, out: StepOutbox) -> None:
+        ends, self.pending_ends = self.pending_ends, {}
+        for rid, reason in ends.items():
+            req = self.reqs.get(rid)
+            if req is not None:
+                self._remove(req)
+                self.finish(req, reason, out)
+
+    def finish(self, req: Req, reason: FinishReason, out: StepOutbox, tokens=()) -> None:
+        """Record the end of a request (already out of the queues); its KV release goes in
+        `out`, with its last tokens and finish reason in the token report."""
+        del self.reqs[req.rid]
+        if req.admitted:
+            cache = reason != FinishReason.ABORT
+            out.releases.append(
+                ReleaseItem(
+                    rid=req.rid,
+                    kind=ReleaseKind.FINISH if cache else ReleaseKind.ABORT,
+                    tokens=req.tokens if cache else [],
+                )
+            )
+            req.admitted = False
+        elif req.retractions:
+            # A retracted request keeps an empty record at the allocator: drop it.
+            out.releases.append(ReleaseItem(rid=req.rid, kind=ReleaseKind.ABORT))
+        if req.registered:
+            self.unregister.append(req.rid)
+        out.report(req, tokens, reason)
+
+    def _remove(self, req: Req) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.prefilling:
+            self.prefilling.remove(req)
+        elif req in self.running:
+            self.running.remove(req)
+
+    def cut_short(self, req: Req, out: StepOutbox) -> None:
+        self._remove(req)
+        self.finish(req, FinishReason.LENGTH, out)
+
+    # ---- decode ----------------------------------------------------------------------------
+    def on_decode_granted(self, decode: Sequence[Req], deltas: SlotDeltas) -> None:
+        for req in decode:
+            req.committed += 1
+        self.carry_deltas.append(deltas)
+        self.counters.decode_steps += 1
+        self.ratio.decay()
+
+    def retract_item(self, victim: Req) -> ReleaseItem:
+        return ReleaseItem(rid=victim.rid, kind=ReleaseKind.RETRACT, tokens=victim.tokens)
+
+    def on_retracted(self, victim: Req) -> None:
+        """The allocator released `victim`'s KV (its prefix cached): it waits at the front."""
+        self._remove(victim)
+        victim.admitted = False
+        victim.committed = 0
+        victim.retractions += 1
+        self.waiting.appendleft(victim)
+        self.counters.retractions += 1
+        self.ratio.after_retraction(self.running)
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def prefill_budget(self, num_decode: int) -> int:
+        if not (self.prefilling or self.waiting):
+            return 0
+        return max(self.limits.max_batch_tokens - num_decode, 0)
+
+    def continuing_chunks(self, budget: int) -> list[Chunk]:
+        return policy.continuing_chunks(self.prefilling, budget, self.limits.chunk_size)
+
+    def wants_admission(self, budget: int) -> bool:
+        slots = self.limits.max_running - len(self.running) - len(self.prefilling)
+        return bool(self.waiting) and budget > 0 and slots > 0
+
+    def admissions(
+        self, budget: int, kv: KvStats, cached_lens: Sequence[int] | None = None
+    ) -> list[Chunk]:
+        """First chunks of the waiting requests admitted under `kv` and `budget`."""
+        order = policy.admission_order(list(self.waiting), cached_lens)
+        picked = policy.admit(
+            order, [*self.running, *self.prefilling], kv, budget, self.limits, self.ratio.value
+        )
+        return policy.first_chunks(picked, budget, self.limits.chunk_size)
+
+    def apply_grants(
+        self, chunks: Sequence[Chunk], grants: Sequence[ExtendGrantItem], deltas: SlotDeltas
+    ) -> list[PrefillWork]:
+        self.carry_deltas.append(deltas)
+        work = []
+        for chunk, g in zip(chunks, grants):
+            req = chunk.req
+            if g.row < 0:
+                continue  # refused: no KV now; stays where it was
+            if not req.admitted:
+                req.admitted = True
+                self.waiting.remove(req)
+                self.prefilling.append(req)
+                if req.cached_tokens < 0:
+                    req.cached_tokens = g.cached_len
+                    self.counters.cached_tokens += g.cached_len
+            req.committed = g.end
+            req.row = g.row
+            self.counters.prompt_tokens += g.end - g.start
+            work.append(PrefillWork(req, g.start, g.end))
+        return work
+
+    # ---- the forward and its results -------------------------------------------------------
+    def build_batch(
+        self, decode: Sequence[Req], prefill: Sequence[PrefillWork]
+    ) -> ForwardBatchMsg:
+        self.step_no += 1
+        deltas, self.carry_deltas = self.carry_deltas, []
+        unregister, self.unregister = self.unregister, []
+        batch, new = forward_batch(self.step_no, decode, prefill, deltas, unregister)
+        for req in new:
+            req.registered = True
+        return batch
+
+    def apply_results(
+        self,
+        decode: Sequence[Req],
+        prefill: Sequence[PrefillWork],
+        result: StepResultMsg,
+        out: StepOutbox,
+    ) -> list[Req]:
+        """Fold the sampled tokens in; returns requests whose prefill is still unfinished."""
+        sampled = sampled_tokens(result)
+        unfinished: list[Req] = []
+        for work in prefill:
+            req = work.req
+            if not work.is_last_chunk:
+                unfinished.append(req)
+            elif req in self.prefilling:
+                self.prefilling.remove(req)
+                self.running.append(req)
+        for req in [*decode, *(w.req for w in prefill)]:
+            s = sampled.get(req.rid)
+            if s is None:
+                continue
+            req.output_ids.append(s.token)
+            self.counters.generated_tokens += 1
+            reason = policy.finish_reason(req, s.token, self.limits.row_capacity)
+            if reason is None:
+                out.report(req, [s])
+            else:
+                self.running.remove(req)
+                self.finish(req, reason, out, [s])
+        return unfinished
+
+    def defer_deltas(self, deltas: SlotDeltas) -> None:
+        """Row rewrites (cache-unfinished) that the runner must apply before the next step."""
+        self.carry_deltas.append(deltas)
+
+    # ---- telemetry -------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        c = self.counters
+        return SchedulerStats(
+            waiting=len(self.waiting),
+            running=len(self.running),
+            prefilling=len(self.prefilling),
+            steps=self.step_no,
+            decode_steps=c.decode_steps,
+            retractions=c.retractions,
+            prompt_tokens=c.prompt_tokens,
+            generated_tokens=c.generated_tokens,
+            cached_tokens=c.cached_tokens,
+            new_token_ratio=self.ratio.value,
+            pure_decode_steps=c.pure_decode_steps,
+            pure_decode_messages=c.pure_decode_messages,
+        )

@@ -1,0 +1,47 @@
+"""The scheduler's view of one request: its tokens, its parameters, where it is in its life.
+
+KV facts here (`committed`, `row`, `admitted`) mirror the allocator's record of the request:
+they are set only from the allocator's replies (grants, decode slots, retraction), never
+computed on their own, so the scheduler can plan without asking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transport.messages.engine import GenerationParams
+
+
+@dataclass(eq=False)
+class Req:
+    rid: int
+    prompt_ids: list[int]
+    params: GenerationParams
+    eos_ids: frozenset[int]
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    # Mirror of the allocator's record: positions whose KV is computed, and the row.
+    committed: int = 0
+    row: int = -1
+    admitted: bool = False  # holds KV (a row and slots)
+    registered: bool = False  # the runner holds its sampler state
+    cached_tokens: int = -1  # prompt tokens served from the prefix cache, set at admission
+    cached_reported: bool = False
+    retractions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining_new(self) -> int:
+        return max(self.params.max_tokens - len(self.output_ids), 0)
+
+    @property
+    def prefill_left(self) -> int:
+        """Known tokens whose KV is not computed yet."""
+        return self.num_tokens - self.committed

@@ -1,0 +1,55 @@
+"""Request validation at the engine's edge: the tokenizer refuses bad input here, once.
+
+Every check raises `BadRequest` with a message that starts with the offending field
+(`"temperature: must be in [0, 2] ..."`); the gateway maps it to HTTP 400 with that
+`param`, the ZeroMQ endpoint to an `invalid_request` error frame. A refused request
+changes no engine state. Parameter limits are `transport.messages.params`'s, the only ones.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from transport.messages.engine import GenerateRequest
+from transport.messages.params import GenerationParams, InvalidParams, validate_params
+
+ERR_INVALID_REQUEST = "invalid_request"  # ErrorReply code for bad client input (HTTP 400)
+
+
+class BadRequest(ValueError):
+    """Invalid client input; the gateway maps it to HTTP 400."""
+
+
+def check_params(p: GenerationParams, vocab_size: int) -> None:
+    try:
+        validate_params(p, vocab_size)
+    except InvalidParams as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def check_prompt_source(msg: GenerateRequest) -> None:
+    given = [x is not None for x in (msg.prompt, msg.prompt_ids, msg.messages)]
+    if sum(given) != 1:
+        raise BadRequest("give exactly one of prompt, prompt_ids, messages")
+    if msg.prompt is not None and not msg.prompt:
+        raise BadRequest("prompt is empty")
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"prompt: token ids {bad[:5]} outside the vocabulary")
+
+
+def fit_to_context(p: GenerationParams, prompt_len: int, context_len: int) -> GenerationParams:
+    """Refuse a prompt that leaves no room to generate; cap max_tokens at the room left."""
+    if prompt_len == 0:
+        raise BadRequest("prompt is empty")
+    if prompt_len >= context_len:
+        raise BadRequest(
+            f"prompt is {prompt_len} tokens; this model's context is {context_len} tokens"
+        )
+    room = context_len - prompt_len
+    if p.max_tokens > room:
+        p = msgspec.structs.replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room))
+    return p

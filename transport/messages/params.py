@@ -1,0 +1,102 @@
+"""`GenerationParams`: the one parameter type of a generation, and its one validator.
+
+Clients send it (the HTTP gateway builds it from OpenAI fields, ZeroMQ clients send it
+as is), the tokenizer validates it once with `validate_params` (bad input becomes a clear
+error naming the field and changes nothing), the scheduler reads its limits and the model
+runner derives its sampler state from it. Nothing downstream re-validates: the limits
+below are the only ones.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+import msgspec
+
+MAX_TEMPERATURE: Final = 2.0
+MAX_REPETITION_PENALTY: Final = 2.0
+MAX_ABS_PENALTY: Final = 2.0  # frequency_penalty and presence_penalty in [-2, 2]
+SEED_LIMIT: Final = 2**63  # seeds are in [0, 2^63): a signed 64-bit integer, as OpenAI's
+MAX_TOP_LOGPROBS: Final = 20
+MAX_STOP_STRINGS: Final = 16
+MAX_STOP_STRING_CHARS: Final = 256
+
+
+class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class InvalidParams(ValueError):
+    """A parameter out of range or of the wrong type; the message starts with `field: `."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field = field
+
+
+def validate_params(p: GenerationParams, vocab_size: int | None = None) -> None:
+    """Raise `InvalidParams` for the first field that is mistyped or out of range.
+
+    Types are checked too: a struct built in Python (not decoded from a wire) may hold
+    anything. `vocab_size`, when given, bounds `stop_token_ids`.
+    """
+    try:
+        msgspec.convert(msgspec.to_builtins(p), GenerationParams)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        what, _, where = text.rpartition(" - at `$.")
+        field = where.rstrip("`").split(".")[0].split("[")[0] if where else "params"
+        raise InvalidParams(field, what or text) from None
+
+    def check(ok: bool, field: str, why: str) -> None:
+        if not ok:
+            raise InvalidParams(field, why)
+
+    check(p.max_tokens >= 1, "max_tokens", f"must be >= 1, got {p.max_tokens}")
+    check(0 <= p.min_tokens <= p.max_tokens, "min_tokens",
+          f"must be in [0, max_tokens], got {p.min_tokens}")
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty"):
+        check(math.isfinite(getattr(p, name)), name, "must be a finite number")
+    check(0.0 <= p.temperature <= MAX_TEMPERATURE, "temperature",
+          f"must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {p.temperature}")
+    check(0.0 < p.top_p <= 1.0, "top_p", f"must be in (0, 1], got {p.top_p}")
+    check(p.top_k >= -1, "top_k", f"must be -1 or 0 (off) or >= 1, got {p.top_k}")
+    check(0.0 <= p.min_p <= 1.0, "min_p", f"must be in [0, 1], got {p.min_p}")
+    check(0.0 < p.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+          f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {p.repetition_penalty}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(p, name)
+        check(-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY, name,
+              f"must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value}")
+    check(p.seed is None or 0 <= p.seed < SEED_LIMIT, "seed",
+          f"must be in [0, 2^63), got {p.seed}")
+    check(0 <= p.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+          f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
+    check(p.top_logprobs == 0 or p.logprobs, "top_logprobs",
+          "top_logprobs > 0 requires logprobs")
+    check(len(p.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    for s in p.stop:
+        check(0 < len(s) <= MAX_STOP_STRING_CHARS, "stop",
+              f"stop strings must have 1..{MAX_STOP_STRING_CHARS} characters")
+    if vocab_size is not None:
+        for t in p.stop_token_ids:
+            check(0 <= t < vocab_size, "stop_token_ids",
+                  f"token id {t} outside the vocabulary [0, {vocab_size})")
