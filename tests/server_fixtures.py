@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from transport.address import pick_free_tcp_port
 
@@ -157,16 +158,21 @@ def server():
 
 
 def scrape_metrics(handle: ServerHandle) -> dict[str, float]:
-    """/metrics as {"name{labels}": value} (comments dropped)."""
+    """/metrics parsed by `prometheus_client.parser`, as {"name{labels}": value}.
+
+    Every kvactor series carries `model_name` (checked here); the keys leave it out.
+    """
     resp = httpx.get(f"{handle.base_url}/metrics", timeout=10.0)
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-type"].startswith("text/plain")
     out: dict[str, float] = {}
-    for line in resp.text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        out[key] = float(value)
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            if sample.name.startswith("kvactor_"):
+                assert labels.pop("model_name", None) == MODEL_NAME, sample
+            inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            out[f"{sample.name}{{{inner}}}" if inner else sample.name] = sample.value
     return out
 
 

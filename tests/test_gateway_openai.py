@@ -246,6 +246,39 @@ def test_metrics_content(client, server):  # noqa: F811
     assert after[bucket] == after["kvactor_time_to_first_token_seconds_count"]
 
 
+# Every series /metrics exported before it moved to prometheus_client (names unchanged;
+# every kvactor series now also carries model_name, which scrape_metrics checks).
+SERIES = [
+    *(f'kvactor_requests_total{{outcome="{o}"}}' for o in ("success", "error", "aborted")),
+    'kvactor_request_finish_total{reason="length"}',
+    "kvactor_prompt_tokens_total", "kvactor_generation_tokens_total",
+    "kvactor_cached_prompt_tokens_total",
+    *(f"kvactor_{h}_{part}" for h in ("time_to_first_token_seconds",
+                                      "inter_token_latency_seconds",
+                                      "e2e_request_latency_seconds")
+      for part in ("count", "sum")),
+    'kvactor_engine_stats_up{source="scheduler"}', 'kvactor_engine_stats_up{source="allocator"}',
+    "kvactor_num_requests_running", "kvactor_num_requests_waiting",
+    "kvactor_num_requests_prefilling", "kvactor_scheduler_steps_total",
+    "kvactor_scheduler_retractions_total", "kvactor_scheduler_prompt_tokens_total",
+    "kvactor_scheduler_generated_tokens_total",
+    *(f'kvactor_kv_pages{{state="{s}"}}' for s in ("total", "free", "tree", "held", "session",
+                                                   "evictable")),
+    "kvactor_kv_request_records", "kvactor_kv_held_rows", "kvactor_kv_cache_hit_tokens_total",
+    "kvactor_kv_evicted_pages_total", "kvactor_kv_retractions_total", "kvactor_kv_aborted_total",
+]
+
+
+def test_metrics_carry_every_series_and_process_metrics(client, server):  # noqa: F811
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0)
+    metrics = scrape_metrics(server)
+    missing = [name for name in SERIES if name not in metrics]
+    assert not missing, f"series missing from /metrics: {missing}"
+    assert metrics['kvactor_engine_stats_up{source="allocator"}'] == 1
+    assert metrics["kvactor_scheduler_steps_total"] >= 2
+    assert metrics["process_resident_memory_bytes"] > 0  # from prometheus_client itself
+
+
 def test_api_key_is_required(server):  # noqa: F811
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong-key",
                        max_retries=0) as bad:

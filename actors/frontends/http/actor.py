@@ -77,7 +77,7 @@ class GatewayActor(FrontendActor):
         self.scheduler_name = scheduler
         self.allocator_name = allocator
         self.max_body_bytes = max_body_bytes
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(model_name)
         self.bound_port: int | None = None
         self._sock: socket.socket | None = None
         self._server: _EmbeddedServer | None = None

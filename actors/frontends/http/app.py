@@ -141,7 +141,7 @@ class GatewayApp:
         self._api_key = api_key.encode() if api_key else None
         self.health = health
         self.stats = stats
-        self.metrics = metrics or GatewayMetrics()
+        self.metrics = metrics or GatewayMetrics(model_name)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.routes: dict[str, dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
