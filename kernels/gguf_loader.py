@@ -23,11 +23,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
-from torch import Tensor
 
 from kernels.config import ModelConfig, RopeSpec, UnsupportedModelError, gemma3_layer_types
+
+if TYPE_CHECKING:  # torch is imported where weights are built: metadata readers stay light
+    import torch
+    from torch import Tensor
 
 # Bump when the conversion changes, so stale weight caches are rebuilt.
 CONVERTER_VERSION = "1"
@@ -272,6 +276,7 @@ def gguf_to_param_name(gguf_name: str) -> str:
 def convert_gguf_weights(gguf_path: str | Path, reader=None) -> dict[str, Tensor]:
     """Dequantize every tensor of a gemma3 GGUF to fp32, with our names and norm convention."""
     import gguf
+    import torch
     from gguf.quants import dequantize
     from tqdm import tqdm
 
@@ -287,9 +292,12 @@ def convert_gguf_weights(gguf_path: str | Path, reader=None) -> dict[str, Tensor
 
 
 def load_gguf_weights(
-    gguf_path: str | Path, dtype: torch.dtype = torch.float32, use_cache: bool = True
+    gguf_path: str | Path, dtype: torch.dtype | None = None, use_cache: bool = True
 ) -> dict[str, Tensor]:
-    """Weights of a GGUF as `dtype` tensors, from the fp32 safetensors cache when it is valid."""
+    """Weights of a GGUF as `dtype` tensors (default float32), from the fp32 safetensors
+    cache when it is valid."""
+    import torch
+
     gguf_path = Path(gguf_path)
     cache = artifact_dir(gguf_path) / WEIGHTS_FILE
     stamp = f"{CONVERTER_VERSION}:{file_identity(gguf_path)}"
@@ -298,7 +306,7 @@ def load_gguf_weights(
         weights = convert_gguf_weights(gguf_path)
         if use_cache:
             _write_weight_cache(cache, weights, stamp)
-    if dtype != torch.float32:
+    if dtype is not None and dtype != torch.float32:
         weights = {name: t.to(dtype) for name, t in weights.items()}
     return weights
 

@@ -13,14 +13,13 @@ import anyio
 import httpx
 import pytest
 
-from tests.engine_fixtures import natural_text
-from tests.server_fixtures import (
+from tests.e2e.engine_fixtures import natural_text
+from tests.e2e.server_fixtures import (
     MODEL_NAME,
     NUM_PAGES,
     engine_figures,
     is_idle,
     scrape_metrics,
-    server,  # noqa: F401  (the shared server fixture)
     wait_idle,
 )
 
@@ -53,7 +52,7 @@ async def _open_and_leave(client: httpx.AsyncClient, auth: dict, prompt: str, ch
     return seen
 
 
-def test_closed_streams_abort_and_release_kv(server):  # noqa: F811
+def test_closed_streams_abort_and_release_kv(server):
     idle, _ = wait_idle(server)
     before = scrape_metrics(server)
     text = natural_text()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from actors.allocator.ledger import LedgerError
-from tests.ledger_driver import FakeKv, make_ledger, run_sync
+from tests.unit.ledger_driver import FakeKv, make_ledger, run_sync
 
 BASES = [list(range(100, 140)), list(range(200, 230)), [100, 101, 102, 103, 300, 301]]
 

@@ -20,7 +20,7 @@ from actors.runtime import (
     RemoteError,
     UnexpectedReply,
 )
-from tests.actors_for_tests import (
+from tests.actors.probe_actors import (
     FailingStartActor,
     ProbeActor,
     ProbeBadReply,
@@ -53,11 +53,6 @@ from transport.messages import (
 )
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @dataclass

@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 from actors.runtime import ActorSpec, ActorSystem, SystemStartError
-from tests.actors_for_tests import (
+from tests.actors.probe_actors import (
     FailingStartActor,
     ProbeActor,
     ProbeEcho,
@@ -35,11 +35,6 @@ from transport.channel import ChannelClosed
 pytestmark = pytest.mark.anyio
 
 PROBE = f"{ProbeActor.__module__}:ProbeActor"  # the "module:Class" factory form
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def markers(directory: Path) -> dict[str, int]:
@@ -237,7 +232,7 @@ def _gone(pid: int) -> bool:
 ORPHAN_SCRIPT = """
 import anyio
 from actors.runtime import ActorSpec, ActorSystem
-from tests.actors_for_tests import ProbeActor
+from tests.actors.probe_actors import ProbeActor
 
 async def main():
     specs = [ActorSpec("a", ProbeActor, group="left")]
@@ -250,7 +245,7 @@ anyio.run(main)
 
 
 def test_children_exit_when_the_parent_is_killed() -> None:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     parent = subprocess.Popen(
         [sys.executable, "-c", ORPHAN_SCRIPT],
         cwd=root,

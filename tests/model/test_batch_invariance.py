@@ -8,12 +8,10 @@ one request's chunked prefill rides in the same forwards as another request's de
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kernels.forward_batch import ForwardBatch
-from kernels.models import load_model
 from kernels.tokenizer_loader import load_tokenizer
-from tests.model_fixtures import GreedyRunner, make_executor
+from tests.model.model_fixtures import GreedyRunner, make_executor
 
 pytestmark = pytest.mark.model
 
@@ -32,8 +30,8 @@ PROMPT_CHARS = [20, 75, 160, 300, 520, 900, 1400, 2000]
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model(None, torch.float32)
+def model(embedded_fp32):
+    return embedded_fp32
 
 
 @pytest.fixture(scope="module")

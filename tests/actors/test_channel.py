@@ -36,11 +36,6 @@ TRANSPORTS = ["inproc", "ipc", "tcp"]
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def context() -> Iterator[zmq.asyncio.Context]:
     """A private context per test. ``term()`` blocks while any socket is open, so a test that
     leaks a socket fails here instead of passing silently."""

@@ -10,10 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gguf_loader import default_model_path
-from kernels.models import load_model
-from kernels.tokenizer_loader import load_tokenizer
-from tests.model_fixtures import GreedyRunner, make_executor, rel_l2
+from tests.model.model_fixtures import GreedyRunner, make_executor, rel_l2
 
 pytestmark = pytest.mark.model
 
@@ -35,11 +32,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(tokenizer) -> list[list[int]]:
     ids = [tokenizer.encode(p) for p in PROMPTS]
     assert max(len(p) for p in ids) > 1000, "the long prompt must cross 1,000 tokens"
@@ -47,19 +39,8 @@ def prompt_ids(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def ours():
-    return load_model(None, torch.float32)
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+def ours(embedded_fp32):
+    return embedded_fp32
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tests.server_fixtures import (
+from tests.e2e.server_fixtures import (
     MODEL_NAME,
     scrape_metrics,
-    server,  # noqa: F401  (the shared server fixture)
     wait_idle,
 )
 from transport.client import KvactorClient, KvactorError
@@ -43,19 +42,19 @@ GREEDY = GenerationParams(max_tokens=8, temperature=0.0)
 
 
 @pytest.fixture(autouse=True)
-def system_idle_after(server):  # noqa: F811
+def system_idle_after(server):
     yield
     wait_idle(server)
 
 
-def http_text(server, **body) -> dict:  # noqa: F811
+def http_text(server, **body) -> dict:
     resp = httpx.post(f"{server.base_url}/v1/completions", headers=server.auth, timeout=60,
                       json={"model": MODEL_NAME, **body})
     assert resp.status_code == 200, resp.text
     return resp.json()
 
 
-def test_stream_matches_http_and_complete(server):  # noqa: F811
+def test_stream_matches_http_and_complete(server):
     expected = http_text(server, prompt=PROMPT, max_tokens=8, temperature=0)
 
     async def run() -> None:
@@ -83,7 +82,7 @@ def test_stream_matches_http_and_complete(server):  # noqa: F811
     anyio.run(run)
 
 
-def test_abort_mid_stream_and_leave_early(server):  # noqa: F811
+def test_abort_mid_stream_and_leave_early(server):
     long = GenerationParams(max_tokens=400, ignore_eos=True, temperature=0.0)
     aborted_before = scrape_metrics(server)["kvactor_kv_aborted_total"]
 
@@ -113,7 +112,7 @@ def test_abort_mid_stream_and_leave_early(server):  # noqa: F811
     assert scrape_metrics(server)["kvactor_kv_aborted_total"] >= aborted_before + 2
 
 
-def test_refusals_arrive_as_errors(server):  # noqa: F811
+def test_refusals_arrive_as_errors(server):
     async def run() -> None:
         async with KvactorClient(server.zmq_address) as client:
             with pytest.raises(KvactorError) as info:
@@ -127,7 +126,7 @@ def test_refusals_arrive_as_errors(server):  # noqa: F811
     anyio.run(run)
 
 
-def test_malformed_frames_get_client_errors(server):  # noqa: F811
+def test_malformed_frames_get_client_errors(server):
     codec: Codec = Codec(ClientReplyFrame)
 
     async def run() -> None:
@@ -186,7 +185,7 @@ def test_malformed_frames_get_client_errors(server):  # noqa: F811
     assert health.status_code == 200
 
 
-def test_disconnected_client_has_its_requests_aborted(server):  # noqa: F811
+def test_disconnected_client_has_its_requests_aborted(server):
     """A DEALER that vanishes mid-stream: the next chunk to it fails, the request aborts."""
     aborted_before = scrape_metrics(server)["kvactor_kv_aborted_total"]
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.actors_for_tests import ProbeEcho, ProbeSum, ProbeTotal
+from tests.actors.probe_actors import ProbeEcho, ProbeSum, ProbeTotal
 from transport.codec import (
     Codec,
     CodecError,

@@ -15,7 +15,7 @@ import ast
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("actors", "kvcore", "kernels", "transport", "bin")
 FIELDS = {
     "req_pool_idx",

@@ -19,7 +19,7 @@ from kernels.attention import AttentionMetadata, AttentionShape, make_attention_
 from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import KVCache, ReqToTokenTable
 from kernels.models import load_model
-from tests.model_fixtures import GreedyRunner, make_executor, rel_l2
+from tests.model.model_fixtures import GreedyRunner, make_executor, rel_l2
 
 VOCAB = 512
 COMMON = dict(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.app.serving import generate_offline
-from tests.engine_fixtures import small_config
+from tests.e2e.engine_fixtures import small_config
 from transport.messages.engine import GenerationParams
 
 

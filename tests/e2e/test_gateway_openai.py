@@ -18,14 +18,13 @@ import pytest
 from actors.app.serving import ServingEngine
 from actors.app.specs import serving_specs
 from actors.runtime import ActorSpec
-from tests.engine_fixtures import natural_text, small_config
-from tests.server_fixtures import (
+from tests.e2e.engine_fixtures import natural_text, small_config
+from tests.e2e.server_fixtures import (
     MODEL_NAME,
     NUM_PAGES,
     PAGE_SIZE,
     ROOT,
     scrape_metrics,
-    server,  # noqa: F401  (the shared server fixture)
     wait_idle,
 )
 from transport.address import pick_free_tcp_port
@@ -38,20 +37,20 @@ PROMPT = "Count: 1, 2, 3, 4, 5,"
 
 
 @pytest.fixture(scope="module")
-def client(server):  # noqa: F811
+def client(server):
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key,
                        max_retries=0, timeout=120.0) as c:
         yield c
 
 
 @pytest.fixture(autouse=True)
-def system_idle_after(server):  # noqa: F811
+def system_idle_after(server):
     yield
     figures, _ = wait_idle(server)
     assert figures['kvactor_kv_pages{state="held"}'] == 0
 
 
-def test_models_and_health(client, server):  # noqa: F811
+def test_models_and_health(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
@@ -219,7 +218,7 @@ def test_logprobs(client):
         assert bytes(item.bytes).decode() == item.token
 
 
-def test_metrics_content(client, server):  # noqa: F811
+def test_metrics_content(client, server):
     before = scrape_metrics(server)
     client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0)
     after = scrape_metrics(server)
@@ -269,7 +268,7 @@ SERIES = [
 ]
 
 
-def test_metrics_carry_every_series_and_process_metrics(client, server):  # noqa: F811
+def test_metrics_carry_every_series_and_process_metrics(client, server):
     client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0)
     metrics = scrape_metrics(server)
     missing = [name for name in SERIES if name not in metrics]
@@ -279,7 +278,7 @@ def test_metrics_carry_every_series_and_process_metrics(client, server):  # noqa
     assert metrics["process_resident_memory_bytes"] > 0  # from prometheus_client itself
 
 
-def test_api_key_is_required(server):  # noqa: F811
+def test_api_key_is_required(server):
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong-key",
                        max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError) as info:
@@ -293,7 +292,7 @@ def test_api_key_is_required(server):  # noqa: F811
     assert httpx.get(f"{server.base_url}/metrics").status_code == 200  # open by design
 
 
-def test_ports_in_use_crash_the_server_loudly(server):  # noqa: F811
+def test_ports_in_use_crash_the_server_loudly(server):
     """A second server on the running one's HTTP port, and one on its ZeroMQ address."""
     http_port = server.base_url.rsplit(":", 1)[1]
     free = str(pick_free_tcp_port())

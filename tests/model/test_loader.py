@@ -23,7 +23,7 @@ from kernels.tokenizer_loader import load_tokenizer
 
 pytestmark = pytest.mark.model
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TEXTS = [
     "Hello world",

@@ -15,24 +15,12 @@ import torch
 
 from actors.app.serving import ServingEngine
 from actors.frontends.base import GenerationError
-from kernels.gguf_loader import default_model_path
-from kernels.tokenizer_loader import load_tokenizer
-from tests.engine_fixtures import assert_balanced, natural_text, random_prompts, small_config
+from tests.e2e.engine_fixtures import assert_balanced, natural_text, random_prompts, small_config
 from transport.messages.engine import GenerationParams
 
 pytestmark = [pytest.mark.anyio, pytest.mark.model]
 
 GREEDY = dict(temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +41,6 @@ async def balanced_after(request, anyio_backend):
                 break
             await anyio.sleep(0.05)
         await assert_balanced(eng)
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
 
 
 def hf_greedy(hf_model, ids: list[int], n: int, eos: list[int]) -> list[int]:

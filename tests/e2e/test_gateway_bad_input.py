@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.server_fixtures import (
+from tests.e2e.server_fixtures import (
     CONTEXT_LEN,
     MODEL_NAME,
     engine_figures,
     is_idle,
     scrape_metrics,
-    server,  # noqa: F401  (the shared server fixture)
     wait_idle,
 )
 
@@ -132,13 +131,13 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def http(server):  # noqa: F811
+def http(server):
     with httpx.Client(base_url=server.base_url, timeout=60.0) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def idle_figures(server):  # noqa: F811
+def idle_figures(server):
     figures, _ = wait_idle(server)
     return figures
 
@@ -158,7 +157,7 @@ def test_there_are_enough_cases():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_request_is_refused_and_changes_nothing(case, http, server, idle_figures):  # noqa: F811
+def test_bad_request_is_refused_and_changes_nothing(case, http, server, idle_figures):
     errors_before = scrape_metrics(server)['kvactor_requests_total{outcome="error"}']
     headers = {**(server.auth if case.auth else {}), **case.headers}
     if case.body is not None:
@@ -178,7 +177,7 @@ def test_bad_request_is_refused_and_changes_nothing(case, http, server, idle_fig
     assert is_idle(idle_figures)
 
 
-def test_declared_oversize_body_is_refused_before_it_is_sent(server, idle_figures):  # noqa: F811
+def test_declared_oversize_body_is_refused_before_it_is_sent(server, idle_figures):
     """Content-Length of 100 MiB and no body at all: the 413 comes from the header alone."""
     host, port = server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
@@ -197,7 +196,7 @@ def test_declared_oversize_body_is_refused_before_it_is_sent(server, idle_figure
     assert engine_figures(server) == idle_figures
 
 
-def test_oversize_body_with_expect_100_continue_is_never_sent(server, idle_figures):  # noqa: F811
+def test_oversize_body_with_expect_100_continue_is_never_sent(server, idle_figures):
     """curl's way for big bodies: the 413 comes instead of `100 Continue`."""
     host, port = server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
@@ -212,7 +211,7 @@ def test_oversize_body_with_expect_100_continue_is_never_sent(server, idle_figur
     assert engine_figures(server) == idle_figures
 
 
-def test_client_leaving_while_sending_its_body(server, idle_figures):  # noqa: F811
+def test_client_leaving_while_sending_its_body(server, idle_figures):
     """Half a body, then the connection closes: nothing is answered, nothing changes."""
     aborted = 'kvactor_requests_total{outcome="aborted"}'
     before = scrape_metrics(server)[aborted]

@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from actors.runtime import ActorSpec, ActorSystem
-from tests.fake_engine_actors import FakeRunner, SinkTokenizer
+from tests.actors.fake_engine_actors import FakeRunner, SinkTokenizer
 from transport.messages.alloc import KvStats, KvStatsRequest
 from transport.messages.engine import (
     EndRequests,

@@ -1,10 +1,10 @@
 """A real `bin/engine serve` process for the gateway and ZeroMQ client tests.
 
-`server` is a session fixture: the first test module that asks for it starts
-`python -m actors.app.cli serve` (HTTP gateway + ZeroMQ endpoint, API key on, KV debug checks
-on) as a subprocess and waits for /health 200; every module shares that process; the last
-teardown sends SIGTERM and asserts the process exits with status 0 within 15 s, leaving no
-process of its session behind. Helpers read /metrics and wait for the engine to go idle.
+`start_server` runs `python -m actors.app.cli serve` (HTTP gateway + ZeroMQ endpoint, API
+key on, KV debug checks on) as a subprocess and waits for /health 200; `stop_server` sends
+SIGTERM and asserts the process exits with status 0 within 15 s, leaving no process of its
+session behind. The shared `server` fixture (tests/e2e/conftest.py) is one such process for
+the whole session. Helpers read /metrics and wait for the engine to go idle.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from transport.address import pick_free_tcp_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "kvactor-test-key"
 MODEL_NAME = "gemma-3-270m"
 NUM_PAGES = 512
@@ -132,26 +132,6 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-_shared: ServerHandle | None = None
-_users = 0
-
-
-@pytest.fixture(scope="session")
-def server():
-    """The shared server (one process for every module that imports this fixture)."""
-    global _shared, _users
-    if _shared is None or _shared.process.poll() is not None:
-        _shared = start_server()
-    _users += 1
-    try:
-        yield _shared
-    finally:
-        _users -= 1
-        if _users == 0:
-            handle, _shared = _shared, None
-            stop_server(handle)
 
 
 # ---- reading the server's state -------------------------------------------------------------

@@ -20,14 +20,13 @@ from actors.tokenizer.detokenizer import (
     DetokDelta,
     IncrementalDetokenizer,
 )
-from kernels.tokenizer_loader import load_tokenizer
 
 # ---------------------------------------------------------------- the real tokenizer
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return load_tokenizer().tokenizer  # the embedded model's tokenizer (cached tokenizer.json)
+def tok(tokenizer) -> Tokenizer:
+    return tokenizer.tokenizer  # the embedded model's tokenizer (cached tokenizer.json)
 
 
 @pytest.fixture(scope="module")
