@@ -4,8 +4,9 @@ One `ForwardBatchMsg` in, one `StepResultMsg` out. Loading and every forward
 run on one dedicated worker thread (torch releases the GIL), so actors sharing
 this process keep serving while the model computes. One thread, always the same:
 each thread that calls torch gets its own OpenMP team, and an idle team spinning
-next to a busy one on 2 cores halves (or worse) the speed of both. Sampling state lives here per request: registered by
-`new_reqs`, dropped by `finished_rids`.
+next to a busy one halves (or worse) the speed of both. Sampling state lives here
+per request: registered by `new_reqs` (derived from its `GenerationParams`),
+dropped by `finished_rids`.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import Any, Literal
 class UnsupportedModelError(ValueError):
     """The model asks for a feature kvactor does not implement (a clear error at load)."""
 
+
 ArchName = Literal["gemma3", "llama", "qwen2", "qwen3"]
 LayerType = Literal["full_attention", "sliding_attention"]
 SUPPORTED_ARCHS: tuple[str, ...] = ("gemma3", "llama", "qwen2", "qwen3")

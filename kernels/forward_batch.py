@@ -67,7 +67,10 @@ class ForwardBatch:
 
     @classmethod
     def decode(
-        cls, rows: list[int], seq_lens_before: list[int], last_tokens: list[int],
+        cls,
+        rows: list[int],
+        seq_lens_before: list[int],
+        last_tokens: list[int],
         slot_deltas: SlotDeltas | None = None,
     ) -> ForwardBatch:
         """A pure decode step: one new token per request, logits for all."""
@@ -98,9 +101,7 @@ class ForwardBatch:
     def flat_input_ids(self) -> np.ndarray:
         if self.is_decode_only:
             return np.fromiter((ids[0] for ids in self.input_ids), np.int64, self.batch_size)
-        return np.fromiter(
-            (t for ids in self.input_ids for t in ids), np.int64, self.num_tokens
-        )
+        return np.fromiter((t for ids in self.input_ids for t in ids), np.int64, self.num_tokens)
 
 
 @dataclass

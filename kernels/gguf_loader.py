@@ -22,7 +22,6 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -183,8 +182,11 @@ def read_gguf_config(gguf_path: str | Path, reader=None) -> ModelConfig:
     rope_kind = key("rope.scaling.type", "none")
     rope_factor = float(key("rope.scaling.factor", 1.0))
     global_kind = "linear" if rope_kind == "linear" and rope_factor != 1.0 else "default"
-    rope = RopeSpec(theta=float(key("rope.freq_base", 1_000_000.0)), kind=global_kind,
-                    factor=rope_factor if global_kind == "linear" else 1.0)
+    rope = RopeSpec(
+        theta=float(key("rope.freq_base", 1_000_000.0)),
+        kind=global_kind,
+        factor=rope_factor if global_kind == "linear" else 1.0,
+    )
 
     eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos_id)] if eos_id is not None else []
@@ -323,8 +325,13 @@ def _read_weight_cache(path: Path, stamp: str) -> dict[str, Tensor] | None:
                 return None
             return {
                 name: f.get_tensor(name)
-                for name in tqdm(list(f.keys()), desc="loading weights", unit="tensor",
-                                 file=sys.stderr, leave=False)
+                for name in tqdm(
+                    list(f.keys()),
+                    desc="loading weights",
+                    unit="tensor",
+                    file=sys.stderr,
+                    leave=False,
+                )
             }
     except Exception:  # a truncated or foreign file is simply rebuilt
         return None

@@ -48,8 +48,9 @@ def _rope_specs(cfg, arch: str) -> tuple[RopeSpec, RopeSpec]:
     default_theta = float(getattr(cfg, "rope_theta", 10_000.0) or 10_000.0)
     if "full_attention" in params or "sliding_attention" in params:
         full = RopeSpec.from_hf(params.get("full_attention"), default_theta)
-        local = RopeSpec.from_hf(params.get("sliding_attention") or params.get("full_attention"),
-                                 default_theta)
+        local = RopeSpec.from_hf(
+            params.get("sliding_attention") or params.get("full_attention"), default_theta
+        )
         return full, local
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial rotary embeddings are not supported")
@@ -125,7 +126,7 @@ def _param_name(hf_name: str) -> str | None:
         return hf_name
     for prefix in _PREFIXES:
         if hf_name.startswith(prefix):
-            return hf_name[len(prefix):]
+            return hf_name[len(prefix) :]
     return None
 
 
@@ -143,8 +144,13 @@ def load_hf_weights(
     weights: dict[str, Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for hf_name in tqdm(list(f.keys()), desc=f"loading {file.name}", unit="tensor",
-                                file=sys.stderr, leave=False):
+            for hf_name in tqdm(
+                list(f.keys()),
+                desc=f"loading {file.name}",
+                unit="tensor",
+                file=sys.stderr,
+                leave=False,
+            ):
                 name = _param_name(hf_name)
                 if name is None or not name.startswith(_DECODER_PARTS):
                     continue  # vision tower, projector, ... of multimodal checkpoints

@@ -61,41 +61,52 @@ class LmHead:
         calibration_sizes: Sequence[int] = DEFAULT_CALIBRATION_SIZES,
     ) -> None:
         if weight.dim() != 2:
-            raise ValueError(
-                f"lm_head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+            raise ValueError(f"lm_head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
         on_cpu = weight.device.type == "cpu"
-        allowed = (torch.float32, torch.bfloat16) if on_cpu else (
-            torch.float32, torch.bfloat16, torch.float16)
+        allowed = (
+            (torch.float32, torch.bfloat16)
+            if on_cpu
+            else (torch.float32, torch.bfloat16, torch.float16)
+        )
         if weight.dtype not in allowed:
-            raise ValueError(f"lm_head weight must be one of {allowed} on {weight.device.type}, "
-                             f"got {weight.dtype}")
+            raise ValueError(
+                f"lm_head weight must be one of {allowed} on {weight.device.type}, "
+                f"got {weight.dtype}"
+            )
         if not on_cpu and backend not in ("auto", "aten"):
             raise ValueError(f"only the aten lm_head backend runs on {weight.device}")
         if final_softcap is not None and not final_softcap > 0:
             raise ValueError(f"final_softcap must be positive or None, got {final_softcap}")
         if backend not in (*BACKENDS, "auto", "calibrate"):
-            raise ValueError(f"unknown lm_head backend {backend!r}; choose from "
-                             f"{(*BACKENDS, 'auto', 'calibrate')}")
+            raise ValueError(
+                f"unknown lm_head backend {backend!r}; choose from "
+                f"{(*BACKENDS, 'auto', 'calibrate')}"
+            )
         self.weight = weight.detach().contiguous()
         self.final_softcap = final_softcap
-        self._numpy_weight = (self.weight.numpy()
-                              if on_cpu and self.weight.dtype == torch.float32 else None)
-        self._packed = (self._pack_onednn()
-                        if on_cpu and backend in ("auto", "calibrate", "onednn") else None)
+        self._numpy_weight = (
+            self.weight.numpy() if on_cpu and self.weight.dtype == torch.float32 else None
+        )
+        self._packed = (
+            self._pack_onednn() if on_cpu and backend in ("auto", "calibrate", "onednn") else None
+        )
         if backend == "onednn" and self._packed is None:
             raise RuntimeError("the oneDNN lm_head backend is not available on this machine")
         if backend == "numpy" and self._numpy_weight is None:
             raise ValueError("the numpy lm_head backend needs a float32 weight")
         self._kernels: dict[str, Callable[[Tensor], Tensor]] = {
-            "aten": self._aten, "onednn": self._onednn, "numpy": self._numpy,
+            "aten": self._aten,
+            "onednn": self._onednn,
+            "numpy": self._numpy,
         }
 
         # plan: bucket batch size -> backend name; a call uses the bucket nearest its N.
         self.plan: dict[int, str]
         if backend == "calibrate":
             self.calibration_ms = self._calibrate(calibration_sizes)
-            self.plan = {n: min(times, key=times.__getitem__)
-                         for n, times in self.calibration_ms.items()}
+            self.plan = {
+                n: min(times, key=times.__getitem__) for n, times in self.calibration_ms.items()
+            }
         else:
             self.calibration_ms = {}
             chosen = backend if backend != "auto" else self._fixed_choice()
@@ -128,14 +139,19 @@ class LmHead:
     @torch.no_grad()
     def __call__(self, hidden: Tensor) -> Tensor:
         if hidden.shape[-1] != self.hidden_size:
-            raise ValueError(f"hidden size {hidden.shape[-1]} != lm_head hidden size "
-                             f"{self.hidden_size}")
+            raise ValueError(
+                f"hidden size {hidden.shape[-1]} != lm_head hidden size {self.hidden_size}"
+            )
         leading = hidden.shape[:-1]
-        rows = hidden.reshape(-1, self.hidden_size).to(
-            device=self.weight.device, dtype=self.weight.dtype).contiguous()
+        rows = (
+            hidden.reshape(-1, self.hidden_size)
+            .to(device=self.weight.device, dtype=self.weight.dtype)
+            .contiguous()
+        )
         if rows.shape[0] == 0:
-            return torch.empty(*leading, self.vocab_size, dtype=torch.float32,
-                               device=self.weight.device)
+            return torch.empty(
+                *leading, self.vocab_size, dtype=torch.float32, device=self.weight.device
+            )
         logits = self._kernels[self.backend_for(rows.shape[0])](rows)
         if logits.dtype != torch.float32:
             logits = logits.float()

@@ -1,7 +1,8 @@
 """Batched per-request token sampling.
 
 Owns the step from float32 logits [B, V] to one token per request, with each request's own
-parameters (``SamplingKnobs``) and state (seeded generator, penalty counts). Semantics follow vLLM/OpenAI:
+parameters (``SamplingKnobs``) and state (seeded generator, penalty counts). Semantics follow
+vLLM/OpenAI:
 
 1. penalties (in place on ``logits``): repetition_penalty over prompt + output tokens (divide a
    positive logit, multiply a negative one), then ``frequency_penalty * count`` and
@@ -104,8 +105,11 @@ class RowParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
     @property
     def uses_top_k(self) -> bool:
@@ -247,8 +251,9 @@ class Sampler:
     @torch.inference_mode()  # also lets penalties edit logits made under inference mode
     def _sample(self, rids: list[int], logits: Tensor) -> SampleOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rids):
-            raise ValueError(f"logits must be [len(rids)={len(rids)}, V], got "
-                             f"{tuple(logits.shape)}")
+            raise ValueError(
+                f"logits must be [len(rids)={len(rids)}, V], got {tuple(logits.shape)}"
+            )
         if len(set(rids)) != len(rids):
             raise ValueError("a request may appear only once per sampling batch")
         missing = [rid for rid in rids if rid not in self._states]
@@ -272,7 +277,8 @@ class Sampler:
         if greedy_rows:
             # numpy's argmax (first maximal index, like torch's) is 3-5x faster here.
             tokens[greedy_rows] = torch.from_numpy(
-                _take_rows(logits, greedy_rows).numpy().argmax(axis=-1))
+                _take_rows(logits, greedy_rows).numpy().argmax(axis=-1)
+            )
         if sampled_rows:
             tokens[sampled_rows] = self._sample_rows(logits, sampled_rows, states)
 
@@ -304,8 +310,9 @@ class Sampler:
                 ids, counts = state.output.view_ids(), state.output.view_counts()
                 _check_ids(ids, vocab)
                 add_index.append(ids + row * vocab)
-                add_delta.append((-(p.frequency_penalty * counts + p.presence_penalty))
-                                 .astype(np.float32))
+                add_delta.append(
+                    (-(p.frequency_penalty * counts + p.presence_penalty)).astype(np.float32)
+                )
         if rep_index:
             index = torch.from_numpy(np.concatenate(rep_index))
             factor = torch.from_numpy(np.concatenate(rep_factor))
@@ -325,8 +332,7 @@ class Sampler:
             self._mask_buf = torch.empty(capacity, vocab, dtype=torch.bool)
         return self._probs_buf[:rows], self._cdf_buf[:rows], self._mask_buf[:rows]
 
-    def _sample_rows(self, logits: Tensor, rows: list[int],
-                     states: list[SamplerState]) -> Tensor:
+    def _sample_rows(self, logits: Tensor, rows: list[int], states: list[SamplerState]) -> Tensor:
         vocab = logits.shape[1]
         params = [states[i].params for i in rows]
         weights, cdf, mask = self._workspace(len(rows), vocab)
@@ -349,14 +355,16 @@ class Sampler:
         candidates: dict[int, _Candidates] = {}
         by_top_k = [j for j, p in enumerate(params) if p.uses_top_k]
         if by_top_k:
-            cuts, fetched = _top_k_cuts(_take_rows(weights, by_top_k),
-                                        [params[j] for j in by_top_k])
+            cuts, fetched = _top_k_cuts(
+                _take_rows(weights, by_top_k), [params[j] for j in by_top_k]
+            )
             threshold[by_top_k] = np.maximum(threshold[by_top_k], cuts)
             candidates.update(zip(by_top_k, fetched))
         by_top_p_only = [j for j, p in enumerate(params) if p.uses_top_p and not p.uses_top_k]
         if by_top_p_only:
-            cuts, fetched = _top_p_cuts(_take_rows(weights, by_top_p_only),
-                                        [params[j] for j in by_top_p_only], scratch=cdf)
+            cuts, fetched = _top_p_cuts(
+                _take_rows(weights, by_top_p_only), [params[j] for j in by_top_p_only], scratch=cdf
+            )
             threshold[by_top_p_only] = np.maximum(threshold[by_top_p_only], cuts)
             candidates.update((j, c) for j, c in zip(by_top_p_only, fetched) if c is not None)
 
@@ -373,14 +381,18 @@ class Sampler:
                 full_rows.append(j)
         if full_rows:
             chosen[full_rows] = _draw_full(
-                _take_rows(weights, full_rows), torch.from_numpy(threshold[full_rows]),
+                _take_rows(weights, full_rows),
+                torch.from_numpy(threshold[full_rows]),
                 torch.tensor([uniforms[j] for j in full_rows], dtype=torch.float64),
-                cdf[: len(full_rows)], mask[: len(full_rows)])
+                cdf[: len(full_rows)],
+                mask[: len(full_rows)],
+            )
         return chosen
 
 
-def _draw_full(weights: Tensor, threshold: Tensor, uniforms: Tensor, cdf: Tensor,
-               mask: Tensor) -> Tensor:
+def _draw_full(
+    weights: Tensor, threshold: Tensor, uniforms: Tensor, cdf: Tensor, mask: Tensor
+) -> Tensor:
     """Inverse-CDF draw per row over every weight >= its threshold (``weights`` is edited)."""
     if bool((threshold > 0).any()):
         torch.lt(weights, threshold.unsqueeze(1), out=mask)
@@ -423,8 +435,8 @@ class _Candidates:
 # reduction is per row and sequential, and the candidate count only bounds the search, so a
 # row's cut-off does not depend on which other rows share the batch.
 
-def _top_k_cuts(matrix: Tensor, params: list[RowParams]
-                ) -> tuple[np.ndarray, list[_Candidates]]:
+
+def _top_k_cuts(matrix: Tensor, params: list[RowParams]) -> tuple[np.ndarray, list[_Candidates]]:
     """Per row of ``matrix``: the top-k cut-off (raised to the top-p one where top_p < 1)."""
     vocab = matrix.shape[1]
     k = np.array([min(p.top_k, vocab) for p in params])
@@ -445,27 +457,29 @@ def _top_k_cuts(matrix: Tensor, params: list[RowParams]
     kept = np.count_nonzero(matrix.numpy() >= k_cut[:, None], axis=-1)
     fetched_above = np.count_nonzero(values > k_cut[:, None], axis=-1)
     inclusive = np.cumsum(values, axis=-1, dtype=np.float64)
-    mass_above = np.where(fetched_above > 0, inclusive[slots, np.maximum(fetched_above, 1) - 1],
-                          0.0)
+    mass_above = np.where(
+        fetched_above > 0, inclusive[slots, np.maximum(fetched_above, 1) - 1], 0.0
+    )
     total = mass_above + (kept - fetched_above) * k_cut.astype(np.float64)
     for slot in wants_top_p:
         # Ranks past ``kept`` are outside the top-k set; ranks past ``count`` all weigh k_cut.
         searchable = min(count, int(kept[slot]))
-        rank = int(np.searchsorted(inclusive[slot, :searchable],
-                                   params[slot].top_p * total[slot]))
+        rank = int(np.searchsorted(inclusive[slot, :searchable], params[slot].top_p * total[slot]))
         if rank < searchable:
             cuts[slot] = max(cuts[slot], values[slot, rank])
     return cuts, fetched
 
 
-def _top_p_cuts(matrix: Tensor, params: list[RowParams], scratch: Tensor
-                ) -> tuple[np.ndarray, list[_Candidates | None]]:
+def _top_p_cuts(
+    matrix: Tensor, params: list[RowParams], scratch: Tensor
+) -> tuple[np.ndarray, list[_Candidates | None]]:
     """Per row of ``matrix`` (no top-k): the top-p cut-off, fetching more candidates as needed."""
     rows, vocab = matrix.shape
     # Row totals from a per-row sequential cumsum (its last column): batch-invariant rounding.
     torch.cumsum(matrix, dim=-1, out=scratch[:rows])
-    targets = (scratch[:rows, -1].double().numpy()
-               * np.array([p.top_p for p in params], dtype=np.float64))
+    targets = scratch[:rows, -1].double().numpy() * np.array(
+        [p.top_p for p in params], dtype=np.float64
+    )
     cuts = np.zeros(rows, dtype=np.float32)
     fetched: list[_Candidates | None] = [None] * rows
     pending = list(range(rows))
@@ -492,8 +506,9 @@ def _top_p_cuts(matrix: Tensor, params: list[RowParams], scratch: Tensor
     return cuts, fetched
 
 
-def _logprobs(logits: Tensor, tokens: Tensor, params: list[RowParams], scratch: Tensor
-              ) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
+def _logprobs(
+    logits: Tensor, tokens: Tensor, params: list[RowParams], scratch: Tensor
+) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
     """Log-probs under log_softmax(logits) for the rows that asked (``scratch``: [rows, V])."""
     rows = [i for i, p in enumerate(params) if p.logprobs]
     chosen_logprobs: list[float | None] = [None] * len(params)

@@ -8,7 +8,7 @@ handed out, raises at once with the offending page ids.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

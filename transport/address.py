@@ -143,4 +143,3 @@ def transport_of(endpoint: str) -> Transport:
 def ipc_path_of(endpoint: str) -> Path | None:
     """The socket file of an ``ipc://`` endpoint, else None."""
     return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
-

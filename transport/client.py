@@ -82,8 +82,9 @@ class KvactorClient:
         self._task_group: TaskGroup | None = None
         self._streams: dict[str, MemoryObjectSendStream[Frame]] = {}
         self._codec: Codec = Codec(ClientReplyFrame, max_message_bytes=64 * 1024 * 1024)
-        self._request_codec: Codec = Codec(ClientSubmit | ClientAbort,
-                                           max_message_bytes=MAX_CLIENT_FRAME_BYTES)
+        self._request_codec: Codec = Codec(
+            ClientSubmit | ClientAbort, max_message_bytes=MAX_CLIENT_FRAME_BYTES
+        )
         self._prefix = secrets.token_hex(4)
         self._ids = itertools.count(1)
         self.errors: list[ClientError] = []  # errors that named no request (malformed frames)
@@ -222,9 +223,11 @@ class KvactorClient:
                         try:
                             frame = await recv.receive()
                         except anyio.EndOfStream:
-                            raise KvactorError("connection_closed",
-                                               "the client closed before the request ended",
-                                               rid) from None
+                            raise KvactorError(
+                                "connection_closed",
+                                "the client closed before the request ended",
+                                rid,
+                            ) from None
                     if isinstance(frame, ClientError):
                         finished = True
                         raise KvactorError(frame.code, frame.message, rid)

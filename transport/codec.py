@@ -103,7 +103,8 @@ def flatten_message_types(spec: Any) -> tuple[type[Message], ...]:
 def _decoder_for(message_types: list[type[Message]]) -> msgspec.msgpack.Decoder | None:
     if not message_types:
         return None
-    return msgspec.msgpack.Decoder(typing.Union[tuple(message_types)])  # type: ignore[arg-type]
+    union = typing.Union[tuple(message_types)]  # noqa: UP007 (built at run time)
+    return msgspec.msgpack.Decoder(union)  # type: ignore[arg-type]
 
 
 class Codec(Generic[M]):

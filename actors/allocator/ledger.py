@@ -301,7 +301,8 @@ class KvLedger:
     async def _reserve_slots(
         self, start: int, end: int, last_slot: int | None
     ) -> np.ndarray | None:
-        """Slots for positions [start, end): fill the open page after `last_slot`, then new pages."""
+        """Slots for positions [start, end): fill the open page after `last_slot`, then new
+        pages."""
         ps = self.page_size
         n = end - start
         in_open_page = 0

@@ -110,13 +110,19 @@ class EngineConfig(_Section):
             (k.page_size >= 1, "kv.page_size must be >= 1"),
             (k.num_pages >= 1, "kv.num_pages must be >= 1"),
             (k.context_len >= 2, "kv.context_len must be >= 2"),
-            (k.max_rows >= s.max_running_requests,
-             "kv.max_rows must be >= scheduler.max_running_requests"),
+            (
+                k.max_rows >= s.max_running_requests,
+                "kv.max_rows must be >= scheduler.max_running_requests",
+            ),
             (s.chunk_size >= 1, "scheduler.chunk_size must be >= 1"),
-            (s.max_batch_tokens > s.max_running_requests,
-             "scheduler.max_batch_tokens must exceed scheduler.max_running_requests"),
-            (0.0 <= s.min_new_token_ratio <= s.new_token_ratio <= 1.0,
-             "scheduler: 0 <= min_new_token_ratio <= new_token_ratio <= 1 must hold"),
+            (
+                s.max_batch_tokens > s.max_running_requests,
+                "scheduler.max_batch_tokens must exceed scheduler.max_running_requests",
+            ),
+            (
+                0.0 <= s.min_new_token_ratio <= s.new_token_ratio <= 1.0,
+                "scheduler: 0 <= min_new_token_ratio <= new_token_ratio <= 1 must hold",
+            ),
             (self.model.threads >= 0, "model.threads must be >= 0"),
             (0 <= self.server.port <= 65535, "server.port must be in [0, 65535]"),
         ]
@@ -170,6 +176,6 @@ def _describe_validation_error(exc: msgspec.ValidationError) -> str:
     path = where.rstrip("`").lstrip(".")
     unknown = "Object contains unknown field `"
     if what.startswith(unknown):
-        field = what[len(unknown):].rstrip("`")
+        field = what[len(unknown) :].rstrip("`")
         return f"unknown config key {path + '.' if path else ''}{field}"
     return f"config key {path}: {what}"

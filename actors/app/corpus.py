@@ -21,8 +21,19 @@ import threading
 import unittest
 
 _MODULES = (
-    argparse, collections, decimal, email, json, logging, os, pathlib, re, subprocess,
-    textwrap, threading, unittest,
+    argparse,
+    collections,
+    decimal,
+    email,
+    json,
+    logging,
+    os,
+    pathlib,
+    re,
+    subprocess,
+    textwrap,
+    threading,
+    unittest,
 )
 
 

@@ -18,6 +18,7 @@ from actors.runtime import ActorSpec, ActorSystem
 from transport.messages.alloc import KvStats, KvStatsRequest
 from transport.messages.engine import GenerationParams, SchedulerStats, SchedulerStatsRequest
 
+
 class ServingEngine:
     """`async with ServingEngine(cfg) as eng:` -> every actor running; `eng.client` serves."""
 

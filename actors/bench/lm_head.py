@@ -35,12 +35,15 @@ def _time_ms(fn: Callable[[], object], reps: int) -> tuple[float, float]:
 
 def _vocab_chunked(weight: Tensor) -> Callable[[Tensor], Tensor]:
     """logits^T computed CHUNK_ROWS vocabulary rows at a time into one [V, N] buffer."""
+
     def run(hidden: Tensor) -> Tensor:
         out = torch.empty(weight.shape[0], hidden.shape[0], dtype=weight.dtype)
         for start in range(0, weight.shape[0], CHUNK_ROWS):
-            torch.mm(weight[start:start + CHUNK_ROWS], hidden.t(),
-                     out=out[start:start + CHUNK_ROWS])
+            torch.mm(
+                weight[start : start + CHUNK_ROWS], hidden.t(), out=out[start : start + CHUNK_ROWS]
+            )
         return out.t()
+
     return run
 
 
@@ -52,8 +55,9 @@ def _mkldnn_linear(weight: Tensor) -> Callable[[Tensor], Tensor]:
     return lambda hidden: module(hidden)
 
 
-def bench_head(vocab: int, hidden_size: int, sizes: list[int], reps: int,
-               dtype: torch.dtype) -> None:
+def bench_head(
+    vocab: int, hidden_size: int, sizes: list[int], reps: int, dtype: torch.dtype
+) -> None:
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(vocab, hidden_size, generator=generator) * 0.02).to(dtype)
     start = time.perf_counter()
@@ -64,10 +68,13 @@ def bench_head(vocab: int, hidden_size: int, sizes: list[int], reps: int,
     }
     candidates["chunked"] = _vocab_chunked(weight)
     candidates["MkldnnLinear"] = _mkldnn_linear(weight)
-    print(f"\n### {dtype}, V={vocab}, H={hidden_size}, threads={torch.get_num_threads()} "
-          f"(oneDNN prepack {pack_s * 1e3:.0f} ms)\n")
-    print("| backend | " + " | ".join(f"N={n} best / median ms" for n in sizes)
-          + " | max rel err |")
+    print(
+        f"\n### {dtype}, V={vocab}, H={hidden_size}, threads={torch.get_num_threads()} "
+        f"(oneDNN prepack {pack_s * 1e3:.0f} ms)\n"
+    )
+    print(
+        "| backend | " + " | ".join(f"N={n} best / median ms" for n in sizes) + " | max rel err |"
+    )
     print("|---|" + "---|" * (len(sizes) + 1))
     with torch.no_grad():
         for name, fn in candidates.items():
@@ -75,8 +82,9 @@ def bench_head(vocab: int, hidden_size: int, sizes: list[int], reps: int,
             for n in sizes:
                 x = torch.randn(n, hidden_size, generator=generator).to(dtype)
                 reference = F.linear(x.float(), weight.float())
-                worst = max(worst, ((fn(x).float() - reference).abs().max()
-                                    / reference.abs().max()).item())
+                worst = max(
+                    worst, ((fn(x).float() - reference).abs().max() / reference.abs().max()).item()
+                )
                 best, median = _time_ms(functools.partial(fn, x), reps)
                 cells.append(f"{best:.1f} / {median:.1f}")
             print(f"| {name} | " + " | ".join(cells) + f" | {worst:.1e} |", flush=True)
@@ -91,9 +99,14 @@ SAMPLER_MIXES: dict[str, GenerationParams] = {
     "top_p 0.95": GenerationParams(temperature=0.8, top_p=0.95),
     "top_k 50 + top_p 0.9": GenerationParams(temperature=0.7, top_k=50, top_p=0.9),
     "min_p 0.05": GenerationParams(min_p=0.05),
-    "penalties + logprobs 5": GenerationParams(temperature=0.8, repetition_penalty=1.1,
-                                             frequency_penalty=0.3, presence_penalty=0.2,
-                                             logprobs=True, top_logprobs=5),
+    "penalties + logprobs 5": GenerationParams(
+        temperature=0.8,
+        repetition_penalty=1.1,
+        frequency_penalty=0.3,
+        presence_penalty=0.2,
+        logprobs=True,
+        top_logprobs=5,
+    ),
 }
 
 
@@ -101,8 +114,9 @@ def _sample_fresh(sampler: Sampler, rids: list[int], copies: list[Tensor]) -> No
     sampler.sample(rids, copies.pop())
 
 
-def bench_sampler(vocab: int, sizes: list[int], reps: int,
-                  sampler_threads: int | None = None) -> None:
+def bench_sampler(
+    vocab: int, sizes: list[int], reps: int, sampler_threads: int | None = None
+) -> None:
     generator = torch.Generator().manual_seed(1)
     # Peaked like real LM logits: a few strong tokens over a wide low floor.
     base = torch.randn(max(sizes), vocab, generator=generator) * 2.0
@@ -116,8 +130,9 @@ def bench_sampler(vocab: int, sizes: list[int], reps: int,
         for n in sizes:
             sampler = Sampler(num_threads=sampler_threads)
             for rid in range(n):
-                sampler.add_request(rid, msgspec.structs.replace(params, seed=rid),
-                                    list(range(rid, rid + 500)))
+                sampler.add_request(
+                    rid, msgspec.structs.replace(params, seed=rid), list(range(rid, rid + 500))
+                )
             rids = list(range(n))
             # sample() edits its logits in place: hand it a fresh copy made outside the clock.
             copies = [base[:n].clone() for _ in range(reps + 1)]
@@ -137,13 +152,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--sampler", action="store_true", help="also time Sampler.sample")
     parser.add_argument("--sampler-only", action="store_true", help="only time Sampler.sample")
-    parser.add_argument("--sampler-threads", type=int, default=None,
-                        help="Sampler(num_threads=...) for the sampler table")
+    parser.add_argument(
+        "--sampler-threads",
+        type=int,
+        default=None,
+        help="Sampler(num_threads=...) for the sampler table",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16],
-              "both": [torch.float32, torch.bfloat16]}[args.dtype]
+    dtypes = {
+        "fp32": [torch.float32],
+        "bf16": [torch.bfloat16],
+        "both": [torch.float32, torch.bfloat16],
+    }[args.dtype]
     for dtype in dtypes if not args.sampler_only else []:
         bench_head(args.vocab, args.hidden, args.sizes, args.reps, dtype)
     if args.sampler or args.sampler_only:

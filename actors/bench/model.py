@@ -35,15 +35,19 @@ class _OurEngine:
     def __init__(self, config: ModelConfig, model: torch.nn.Module, rows: int, capacity: int):
         dtype = model.embed_tokens.weight.dtype
         self.rows, self.capacity = rows, capacity
-        kv = KVCache(config.num_layers, rows * capacity + 1, config.num_kv_heads,
-                     config.head_dim, dtype)
+        kv = KVCache(
+            config.num_layers, rows * capacity + 1, config.num_kv_heads, config.head_dim, dtype
+        )
         self.table = ReqToTokenTable(rows, capacity)
         self.table.apply_slot_deltas(
-            list(range(rows)), [0] * rows, [capacity] * rows,
+            list(range(rows)),
+            [0] * rows,
+            [capacity] * rows,
             torch.arange(1, rows * capacity + 1, dtype=torch.int32),
         )
-        self.executor = ModelExecutor(config, model, kv, make_attention_backend("torch"),
-                                      self.table)
+        self.executor = ModelExecutor(
+            config, model, kv, make_attention_backend("torch"), self.table
+        )
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         n = len(prompts)
@@ -56,8 +60,7 @@ class _OurEngine:
 
 def bench_ours(config, model, args) -> dict[str, float]:
     results: dict[str, float] = {}
-    engine = _OurEngine(config, model, max(args.batches), max(args.prefill_len,
-                                                                args.context + 64))
+    engine = _OurEngine(config, model, max(args.batches), max(args.prefill_len, args.context + 64))
     prompt = _prompts(config, 1, args.prefill_len, seed=0)
     seconds = time_calls(lambda: engine.prefill(prompt), args.repeats).best
     results["prefill_tok_s"] = args.prefill_len / seconds
@@ -81,8 +84,9 @@ def bench_hf(args) -> dict[str, float]:
 
     kind, source = resolve_model_source(args.model)
     if kind == "gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name,
-                                                  dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(source.parent), gguf_file=source.name, dtype=torch.float32
+        )
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
     hf.eval()
@@ -121,12 +125,16 @@ def _config_for_prompts(args) -> ModelConfig:
 
 
 def _print(label: str, results: dict[str, float], args) -> None:
-    print(f"[{label}] prefill {results['prefill_tok_s']:.1f} tok/s ({args.prefill_len}-token "
-          "prompt, last-token logits)")
+    print(
+        f"[{label}] prefill {results['prefill_tok_s']:.1f} tok/s ({args.prefill_len}-token "
+        "prompt, last-token logits)"
+    )
     for b in args.batches:
-        line = (f"[{label}] decode batch {b:>2} (context {args.context}): "
-                f"{results[f'decode_b{b}_ms']:.1f} ms/step, "
-                f"{results[f'decode_b{b}_tok_s']:.1f} tok/s")
+        line = (
+            f"[{label}] decode batch {b:>2} (context {args.context}): "
+            f"{results[f'decode_b{b}_ms']:.1f} ms/step, "
+            f"{results[f'decode_b{b}_tok_s']:.1f} tok/s"
+        )
         if f"lm_head_b{b}_share" in results:
             line += f", lm_head {100 * results[f'lm_head_b{b}_share']:.0f}% of the step"
         print(line, flush=True)
@@ -147,13 +155,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16],
-              "both": [torch.float32, torch.bfloat16]}[args.dtype]
+    dtypes = {
+        "fp32": [torch.float32],
+        "bf16": [torch.bfloat16],
+        "both": [torch.float32, torch.bfloat16],
+    }[args.dtype]
     with torch.inference_mode():
         for dtype in dtypes:
             config, model = load_model(args.model, dtype)
-            _print(f"kvactor {str(dtype).removeprefix('torch.')}", bench_ours(config, model, args),
-                   args)
+            _print(
+                f"kvactor {str(dtype).removeprefix('torch.')}",
+                bench_ours(config, model, args),
+                args,
+            )
             del model
     if not args.no_hf:
         _print("hf transformers float32", bench_hf(args), args)

@@ -125,7 +125,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, list[float]]:
                 order = list(paths)
                 for i in range(args.requests):
                     # Rotate the order so no path always runs right after another.
-                    for name in order[i % 3:] + order[: i % 3]:
+                    for name in order[i % 3 :] + order[: i % 3]:
                         t0 = time.perf_counter()
                         await paths[name]()
                         samples[name].append(time.perf_counter() - t0)
@@ -138,10 +138,11 @@ def _report(samples: dict[str, list[float]], args: argparse.Namespace) -> None:
     """Per path: latency median / p90 / min, and the median over rounds of (path - direct)
     within the same round, which cancels most of the drift in machine load."""
     direct = samples["direct"]
-    print(f"serving overhead: {args.requests} requests per path, max_tokens={args.max_tokens}, "
-          "greedy, interleaved")
-    print(f"{'path':<8} {'median ms':>10} {'p90 ms':>10} {'min ms':>10} "
-          f"{'paired +ms':>11}")
+    print(
+        f"serving overhead: {args.requests} requests per path, max_tokens={args.max_tokens}, "
+        "greedy, interleaved"
+    )
+    print(f"{'path':<8} {'median ms':>10} {'p90 ms':>10} {'min ms':>10} {'paired +ms':>11}")
     for name, values in samples.items():
         paired = statistics.median(v - d for v, d in zip(values, direct))
         print(

@@ -92,8 +92,14 @@ class ZmqEndpointActor(FrontendActor):
         self._ids = itertools.count(1)
         self._prefix = f"zmq-{os.getpid()}-{id(self):x}"
         self._socket: zmq.asyncio.Socket | None = None
-        self.counters = {"submitted": 0, "refused": 0, "aborted": 0, "malformed": 0,
-                         "clients_gone": 0, "slow_clients": 0}
+        self.counters = {
+            "submitted": 0,
+            "refused": 0,
+            "aborted": 0,
+            "malformed": 0,
+            "clients_gone": 0,
+            "slow_clients": 0,
+        }
 
     async def on_start(self) -> None:
         await super().on_start()
@@ -121,8 +127,12 @@ class ZmqEndpointActor(FrontendActor):
 
     def stats(self) -> dict[str, int | float]:
         live = sum(len(routes) for routes in self.clients.values())
-        return {**super().stats(), "live_requests": live, "clients": len(self.clients),
-                **self.counters}
+        return {
+            **super().stats(),
+            "live_requests": live,
+            "clients": len(self.clients),
+            **self.counters,
+        }
 
     # ---- client frames -----------------------------------------------------------------------
 
@@ -136,8 +146,11 @@ class ZmqEndpointActor(FrontendActor):
         identity = frames[0]
         if len(frames) != 2:
             self.counters["malformed"] += 1
-            self._error(identity, ERR_MALFORMED,
-                        f"expected exactly one frame per message, got {len(frames) - 1}")
+            self._error(
+                identity,
+                ERR_MALFORMED,
+                f"expected exactly one frame per message, got {len(frames) - 1}",
+            )
             return
         message = self.codec.decode(frames[1])
         if isinstance(message, DecodeFailure):
@@ -154,8 +167,12 @@ class ZmqEndpointActor(FrontendActor):
     def _on_submit(self, identity: bytes, msg: ClientSubmit) -> None:
         rid = msg.request_id
         if not rid or len(rid) > MAX_REQUEST_ID_CHARS:
-            self._error(identity, ERR_MALFORMED,
-                        f"request_id must have 1..{MAX_REQUEST_ID_CHARS} characters", rid)
+            self._error(
+                identity,
+                ERR_MALFORMED,
+                f"request_id must have 1..{MAX_REQUEST_ID_CHARS} characters",
+                rid,
+            )
             return
         routes = self.clients.setdefault(identity, {})
         if rid in routes:
@@ -202,9 +219,12 @@ class ZmqEndpointActor(FrontendActor):
     def _abort(self, route: _Route) -> None:
         """The client's ClientAbort: its final frame now; the task's exit aborts the engine's."""
         self._end(route)
-        self._send(route.identity, ClientChunk(
-            request_id=route.request_id, finish_reason=FINISH_ABORT, usage=route.usage()
-        ))
+        self._send(
+            route.identity,
+            ClientChunk(
+                request_id=route.request_id, finish_reason=FINISH_ABORT, usage=route.usage()
+            ),
+        )
 
     def _end(self, route: _Route) -> None:
         """Stop a live request's task (it may be the calling task)."""
@@ -260,8 +280,12 @@ class ZmqEndpointActor(FrontendActor):
             return False
         if outcome == "full":
             self.counters["slow_clients"] += 1
-            self._error(route.identity, ERR_SLOW_CLIENT,
-                        "the client stopped reading; request aborted", route.request_id)
+            self._error(
+                route.identity,
+                ERR_SLOW_CLIENT,
+                "the client stopped reading; request aborted",
+                route.request_id,
+            )
             self._end(route)
             return False
         if final:
@@ -287,6 +311,7 @@ class ZmqEndpointActor(FrontendActor):
             return "gone"
         raise error
 
-    def _error(self, identity: bytes, code: str, message: str, request_id: str | None = None
-               ) -> None:
+    def _error(
+        self, identity: bytes, code: str, message: str, request_id: str | None = None
+    ) -> None:
         self._send(identity, ClientError(code=code, message=message, request_id=request_id))

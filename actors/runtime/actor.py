@@ -94,5 +94,3 @@ def inbox_codec(actor_type: type[Actor]) -> Codec[Message]:
         codec = Codec((*declared, *flatten_message_types(RuntimeControl)))
         _inbox_codecs[actor_type] = codec
     return codec
-
-

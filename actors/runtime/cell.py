@@ -52,7 +52,6 @@ from transport.messages.control import (
     StatsRequest,
 )
 
-
 # Bounds on lifecycle hooks so a stuck actor can never hang start-up or shutdown.
 DEFAULT_START_TIMEOUT_S: Final = 30.0
 DEFAULT_STOP_TIMEOUT_S: Final = 5.0
@@ -76,7 +75,9 @@ class CrashReport:
         root = root_exception(exc)
         if isinstance(root, _ActorFailed) and root.__cause__ is not None:
             cause = root.__cause__
-            return cls(error=f"{root}: {describe_exception(cause)}", traceback=format_traceback(cause))
+            return cls(
+                error=f"{root}: {describe_exception(cause)}", traceback=format_traceback(cause)
+            )
         return cls(error=describe_exception(root), traceback=format_traceback(root))
 
 
@@ -238,7 +239,9 @@ class ActorCell:
                     counters.handler_errors += 1
                     self._log_handler_error(exc, message, envelope)
                     reply = ErrorReply(
-                        code=ERR_HANDLER, message=describe_exception(exc), detail=format_traceback(exc)
+                        code=ERR_HANDLER,
+                        message=describe_exception(exc),
+                        detail=format_traceback(exc),
                     )
                     server.reply(incoming.peer, envelope.request_id, _encoder.encode(reply))
                     continue
@@ -323,4 +326,3 @@ class ActorCell:
             self.log.warning("handler error", **fields)
         else:
             self.log.error("handler error", exc_info=exc, **fields)
-

@@ -20,10 +20,8 @@ from transport.channel import ChannelClosed, ClientChannel, ServerChannel
 from transport.codec import Codec, DecodeFailure
 from transport.messages.control import Ack, ActorCrashed, Ping, Pong, Shutdown
 
-
 SUPERVISOR_ENDPOINT: Final = "_supervisor"  # the parent's inbox for ActorCrashed notices
 HOST_ENDPOINT_PREFIX: Final = "_host."  # a child host's control inbox: "_host.<group>"
-
 
 
 @dataclass(frozen=True)
@@ -108,5 +106,3 @@ async def _stop_on_sigterm(host: ActorHost) -> None:
         async for _ in signals:
             host.stop()
             return
-
-

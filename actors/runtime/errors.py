@@ -7,7 +7,6 @@ from typing import Final
 
 from transport.messages.control import ErrorReply
 
-
 TRACEBACK_LIMIT_CHARS: Final = 8000
 
 
@@ -42,5 +41,3 @@ def root_exception(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
-
-

@@ -25,10 +25,10 @@ from actors.runtime.spec import ActorSpec, build_actor
 from transport.channel import ServerChannel
 from transport.messages.control import ActorCrashed
 
-
 _RESTART_BACKOFF_CAP_S: Final = 5.0
 
 _log = get_logger("supervisor")
+
 
 @dataclass(frozen=True, slots=True)
 class HostTimeouts:
@@ -141,5 +141,3 @@ class ActorHost:
         finally:
             if self._cells.get(spec.name) is cell:
                 del self._cells[spec.name]
-
-

@@ -13,7 +13,6 @@ from transport.codec import Codec, DecodeFailure, any_message_codec
 from transport.messages.base import Message
 from transport.messages.control import ERR_BAD_REPLY, ErrorReply, Ping, Pong
 
-
 R = TypeVar("R", bound=Message)
 
 DEFAULT_CALL_TIMEOUT_S: Final = 30.0
@@ -155,5 +154,3 @@ class RefBook:
         for ref in self._refs.values():
             ref.close()
         self._refs.clear()
-
-

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from actors.runtime.actor import Actor
 
-
 CrashPolicy = Literal["shutdown", "restart"]
+
 
 @dataclass(frozen=True)
 class ActorSpec:
@@ -56,5 +56,3 @@ def build_actor(spec: ActorSpec) -> Actor:
         raise TypeError(f"factory of {spec.name!r} returned {type(actor).__name__}, not an Actor")
     actor.name = spec.name
     return actor
-
-

@@ -1,4 +1,4 @@
-"""The actor system: start a set of actors from specs, apply crash policies, stop everything cleanly.
+"""The actor system: start actors from specs, apply crash policies, stop everything cleanly.
 
 Placement:
 
@@ -37,10 +37,10 @@ from actors.runtime.child import (
     ChildPlan,
     child_main,
 )
+from actors.runtime.errors import RemoteError
 from actors.runtime.host import ActorHost, HostTimeouts
 from actors.runtime.logging import get_logger
 from actors.runtime.refs import DEFAULT_CALL_TIMEOUT_S, ActorRef, RefBook
-from actors.runtime.errors import RemoteError
 from actors.runtime.spec import ActorSpec
 from transport.address import (
     IpcDirectory,
@@ -53,13 +53,11 @@ from transport.channel import ChannelClosed, ServerChannel
 from transport.codec import Codec
 from transport.messages.control import Ack, ActorCrashed, Shutdown
 
-
 _PROCESS_POLL_S: Final = 0.05
 _TERMINATE_GRACE_S: Final = 3.0
 _KILL_GRACE_S: Final = 2.0
 
 _log = get_logger("supervisor")
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +216,9 @@ class ActorSystem:
                 if self._ipc_dir is not None:
                     self._ipc_dir.remove()
                 self._stopped.set()
-                _log.info("actor system stopped", system=self.system_id, crashed=self.crash is not None)
+                _log.info(
+                    "actor system stopped", system=self.system_id, crashed=self.crash is not None
+                )
 
     async def wait_stopped(self) -> ActorCrashed | None:
         """Wait until the system has stopped; the fatal crash notice, if one caused it."""
@@ -414,4 +414,3 @@ class ActorSystem:
                 for name in pending:
                     probes.start_soon(probe, name)
             pending -= ready
-

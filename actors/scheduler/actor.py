@@ -225,8 +225,9 @@ class SchedulerActor(Actor):
         reply = await self._call(
             self.alloc,
             AllocExtend(
-                items=[ExtendItem(rid=c.req.rid, tokens=c.req.tokens, budget=c.budget)
-                       for c in chunks]
+                items=[
+                    ExtendItem(rid=c.req.rid, tokens=c.req.tokens, budget=c.budget) for c in chunks
+                ]
             ),
             expect=AllocExtendReply,
         )

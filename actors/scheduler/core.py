@@ -191,9 +191,7 @@ class SchedulerCore:
         return work
 
     # ---- the forward and its results -------------------------------------------------------
-    def build_batch(
-        self, decode: Sequence[Req], prefill: Sequence[PrefillWork]
-    ) -> ForwardBatchMsg:
+    def build_batch(self, decode: Sequence[Req], prefill: Sequence[PrefillWork]) -> ForwardBatchMsg:
         self.step_no += 1
         deltas, self.carry_deltas = self.carry_deltas, []
         unregister, self.unregister = self.unregister, []

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import anyio
 
+from actors.runtime import Actor
 from actors.tokenizer.chat_template import ChatTemplateError, render_chat
 from actors.tokenizer.detokenizer import IncrementalDetokenizer
-from actors.runtime import Actor
 from actors.tokenizer.validation import (
     ERR_INVALID_REQUEST,
     BadRequest,
@@ -28,10 +28,10 @@ from actors.tokenizer.validation import (
 )
 from transport.messages.control import ErrorReply
 from transport.messages.engine import (
-    FinishReason,
     AbortGeneration,
     Accepted,
     EndRequests,
+    FinishReason,
     GenerateRequest,
     GenerationParams,
     NewRequest,

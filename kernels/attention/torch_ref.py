@@ -47,9 +47,7 @@ class _PrefillPlan:
     sliding: _KeySet
 
 
-def _padded_keys(
-    kv_indices: Tensor, starts: np.ndarray, lengths: np.ndarray
-) -> _KeySet:
+def _padded_keys(kv_indices: Tensor, starts: np.ndarray, lengths: np.ndarray) -> _KeySet:
     """Slots kv_indices[starts[b] + j] for j < lengths[b], padded with slot 0 to max length."""
     width = int(lengths.max())
     device = kv_indices.device
@@ -110,9 +108,11 @@ class TorchRefBackend(AttentionBackend):
                 skip = np.maximum(dec_seq - window, 0)
                 sliding = _padded_keys(meta.kv_indices, dec_start + skip, dec_seq - skip)
             all_rows = decode_reqs.size == meta.batch_size
-            token_index = None if all_rows else torch.from_numpy(
-                meta.qo_indptr_host[decode_reqs]
-            ).to(meta.kv_indices.device)
+            token_index = (
+                None
+                if all_rows
+                else torch.from_numpy(meta.qo_indptr_host[decode_reqs]).to(meta.kv_indices.device)
+            )
             self._decode = _DecodePlan(token_index=token_index, full=full, sliding=sliding)
         self._prefills = []
         for r in np.flatnonzero(extend > 1):
@@ -142,7 +142,8 @@ class TorchRefBackend(AttentionBackend):
         if decode is not None:
             keys = decode.sliding if is_sliding else decode.full
             out.index_copy_(
-                0, decode.token_index,
+                0,
+                decode.token_index,
                 self._attend_decode(q.index_select(0, decode.token_index), k_all, v_all, keys),
             )
         for plan in self._prefills:
@@ -174,12 +175,18 @@ class TorchRefBackend(AttentionBackend):
         count = slots.numel()
         row_shape = source.shape[1:]
         buf = self._workspace[which]
-        if (buf is None or buf.shape[0] < count or buf.dtype != source.dtype
-                or buf.device != source.device or buf.shape[1:] != row_shape):
+        if (
+            buf is None
+            or buf.shape[0] < count
+            or buf.dtype != source.dtype
+            or buf.device != source.device
+            or buf.shape[1:] != row_shape
+        ):
             # Grow geometrically: decode contexts grow by one token per step.
             old = 0 if buf is None else buf.shape[0]
-            buf = torch.empty((max(count, 2 * old, 1024), *row_shape), dtype=source.dtype,
-                              device=source.device)
+            buf = torch.empty(
+                (max(count, 2 * old, 1024), *row_shape), dtype=source.dtype, device=source.device
+            )
             self._workspace[which] = buf
         out = buf[:count]
         torch.index_select(source, 0, slots.reshape(-1), out=out)
@@ -187,8 +194,13 @@ class TorchRefBackend(AttentionBackend):
 
 
 def _attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-    softcap: float | None, group_size: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    softcap: float | None,
+    group_size: int,
 ) -> Tensor:
     """Masked attention; q [..., Hq, E, D], k/v [..., Hkv, L, D] with Hq = Hkv * group_size."""
     if softcap is None:

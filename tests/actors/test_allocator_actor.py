@@ -101,7 +101,9 @@ async def drive_workload(alloc, seed: int, steps: int = 120) -> dict[str, int]:
                 victim = rng.choice(ready)
                 await alloc.call(
                     ReleaseBatch(
-                        items=[ReleaseItem(rid=victim, kind=ReleaseKind.RETRACT, tokens=tokens[victim])]
+                        items=[
+                            ReleaseItem(rid=victim, kind=ReleaseKind.RETRACT, tokens=tokens[victim])
+                        ]
                     )
                 )
                 counts["retract"] += 1

@@ -68,10 +68,16 @@ def start_server(*, api_key: str = API_KEY, extra: list[str] | None = None) -> S
         *(extra or []),
     ]
     cmd = [
-        sys.executable, "-m", "actors.app.cli", "serve",
-        "--port", str(port),
-        "--zmq", f"tcp://127.0.0.1:{zmq_port}",
-        "--api-key", api_key,
+        sys.executable,
+        "-m",
+        "actors.app.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--zmq",
+        f"tcp://127.0.0.1:{zmq_port}",
+        "--api-key",
+        api_key,
     ]
     for s in sets:
         cmd += ["--set", s]
@@ -98,8 +104,9 @@ def start_server(*, api_key: str = API_KEY, extra: list[str] | None = None) -> S
             pass
         if time.monotonic() > deadline:
             stop_server(handle, check=False)
-            raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s:\n"
-                               f"{handle.log_tail()}")
+            raise RuntimeError(
+                f"server not healthy after {START_TIMEOUT_S} s:\n{handle.log_tail()}"
+            )
         time.sleep(0.25)
 
 

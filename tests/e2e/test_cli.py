@@ -15,15 +15,23 @@ def run_engine(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, KVACTOR_LOG_LEVEL="warning")
     return subprocess.run(
         [str(ROOT / "bin" / "engine"), *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
     )
 
 
 @pytest.mark.model
 def test_generate_streams_greedy_text():
     res = run_engine(
-        "generate", "Count with me: 1, 2, 3, 4, 5,", "--max-tokens", "8",
-        "--set", "kv.num_pages=128",
+        "generate",
+        "Count with me: 1, 2, 3, 4, 5,",
+        "--max-tokens",
+        "8",
+        "--set",
+        "kv.num_pages=128",
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith(" 6, 7"), res.stdout

@@ -30,8 +30,9 @@ CHUNKS_BEFORE_CLOSE = 3
 RELEASE_DEADLINE_S = 1.0
 
 
-async def _open_and_leave(client: httpx.AsyncClient, auth: dict, prompt: str, chat: bool,
-                          closed_at: list[float]) -> int:
+async def _open_and_leave(
+    client: httpx.AsyncClient, auth: dict, prompt: str, chat: bool, closed_at: list[float]
+) -> int:
     if chat:
         path = "/v1/chat/completions"
         body = {"messages": [{"role": "user", "content": prompt}]}
@@ -61,12 +62,14 @@ def test_closed_streams_abort_and_release_kv(server):
 
     async def run() -> None:
         limits = httpx.Limits(max_connections=STREAMS)
-        async with httpx.AsyncClient(base_url=server.base_url, limits=limits,
-                                     timeout=120.0) as client:
+        async with httpx.AsyncClient(
+            base_url=server.base_url, limits=limits, timeout=120.0
+        ) as client:
             async with anyio.create_task_group() as tg:
                 for i, prompt in enumerate(prompts):
-                    tg.start_soon(_open_and_leave, client, server.auth, prompt, i % 2 == 1,
-                                  closed_at)
+                    tg.start_soon(
+                        _open_and_leave, client, server.auth, prompt, i % 2 == 1, closed_at
+                    )
 
     anyio.run(run)
     assert len(closed_at) == STREAMS
@@ -88,12 +91,17 @@ def test_closed_streams_abort_and_release_kv(server):
     aborted = 'kvactor_requests_total{outcome="aborted"}'
     assert after[aborted] == before[aborted] + STREAMS
     assert after["kvactor_kv_aborted_total"] >= before["kvactor_kv_aborted_total"] + STREAMS
-    assert after['kvactor_requests_total{outcome="success"}'] == (
-        before['kvactor_requests_total{outcome="success"}']
+    assert (
+        after['kvactor_requests_total{outcome="success"}']
+        == (before['kvactor_requests_total{outcome="success"}'])
     )
     # The engine still serves, and its held KV is back to the idle value.
-    ok = httpx.post(f"{server.base_url}/v1/completions", headers=server.auth, timeout=60,
-                    json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})
+    ok = httpx.post(
+        f"{server.base_url}/v1/completions",
+        headers=server.auth,
+        timeout=60,
+        json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2},
+    )
     assert ok.status_code == 200, ok.text
     final, _ = wait_idle(server)
     assert final['kvactor_kv_pages{state="held"}'] == idle['kvactor_kv_pages{state="held"}'] == 0

@@ -38,8 +38,9 @@ PROMPT = "Count: 1, 2, 3, 4, 5,"
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key,
-                       max_retries=0, timeout=120.0) as c:
+    with openai.OpenAI(
+        base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0, timeout=120.0
+    ) as c:
         yield c
 
 
@@ -61,8 +62,7 @@ def test_models_and_health(client, server):
 
 
 def test_completion_stream_equals_non_stream(client):
-    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8,
-                                     temperature=0)
+    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0)
     assert full.object == "text_completion" and full.id.startswith("cmpl-")
     assert full.model == MODEL_NAME and len(full.choices) == 1
     choice = full.choices[0]
@@ -71,10 +71,16 @@ def test_completion_stream_equals_non_stream(client):
     assert full.usage.total_tokens == full.usage.prompt_tokens + 8
     assert full.usage.prompt_tokens > 5
 
-    chunks = list(client.completions.create(
-        model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in text_chunks) == choice.text
     assert text_chunks[-1].choices[0].finish_reason == "length"
@@ -86,10 +92,12 @@ def test_completion_stream_equals_non_stream(client):
 
 
 def test_token_id_prompt_and_prompt_batch(client):
-    by_text = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4,
-                                        temperature=0)
-    batch = client.completions.create(model=MODEL_NAME, prompt=[PROMPT, "Hello, my name is"],
-                                      max_tokens=4, temperature=0)
+    by_text = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0
+    )
+    batch = client.completions.create(
+        model=MODEL_NAME, prompt=[PROMPT, "Hello, my name is"], max_tokens=4, temperature=0
+    )
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[0].text == by_text.choices[0].text
     assert batch.usage.completion_tokens == 8
@@ -103,20 +111,29 @@ def test_token_id_prompt_and_prompt_batch(client):
 
 
 def test_chat_stream_equals_non_stream(client):
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Name three colors."}]
-    full = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6,
-                                          temperature=0)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three colors."},
+    ]
+    full = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0
+    )
     assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
     msg = full.choices[0].message
     assert msg.role == "assistant" and msg.content
     assert full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 6
 
-    chunks = list(client.chat.completions.create(
-        model=MODEL_NAME, messages=messages, max_completion_tokens=6, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_completion_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].object == "chat.completion.chunk"
     assert chunks[0].choices[0].delta.role == "assistant"
     content = [c for c in chunks if c.choices]
@@ -128,7 +145,9 @@ def test_chat_stream_equals_non_stream(client):
 
 def test_chat_text_parts_render_like_a_string(client):
     plain = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "Say hello."}], max_tokens=4,
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=4,
         temperature=0,
     )
     parts = client.chat.completions.create(
@@ -142,22 +161,30 @@ def test_chat_text_parts_render_like_a_string(client):
 
 
 def test_stop_sequences(client):
-    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12,
-                                     temperature=0).choices[0].text
+    full = (
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+        .choices[0]
+        .text
+    )
     assert " 8," in full, full
-    cut = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12,
-                                    temperature=0, stop=[" 8,", "never-there"])
+    cut = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, stop=[" 8,", "never-there"]
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == full[: full.index(" 8,")]
-    streamed = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12,
-                                              temperature=0, stop=" 8,", stream=True))
+    streamed = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, stop=" 8,", stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
 def test_n_choices_and_seed_reproducibility(client):
-    kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, temperature=1.0,
-                  seed=1234, n=2)
+    kwargs = dict(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=1234, n=2
+    )
     first = client.completions.create(**kwargs)
     again = client.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1]
@@ -167,10 +194,16 @@ def test_n_choices_and_seed_reproducibility(client):
     shifted = client.completions.create(**{**kwargs, "seed": 1235, "n": 1})
     assert shifted.choices[0].text == first.choices[1].text
 
-    chat = list(client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=2,
-        temperature=0, stream=True,
-    ))
+    chat = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            n=2,
+            temperature=0,
+            stream=True,
+        )
+    )
     roles = [c.choices[0].index for c in chat if c.choices[0].delta.role == "assistant"]
     assert sorted(roles) == [0, 1]
     finished = [c.choices[0].index for c in chat if c.choices[0].finish_reason]
@@ -180,10 +213,8 @@ def test_n_choices_and_seed_reproducibility(client):
 def test_usage_reports_cached_prompt_tokens(client):
     text = natural_text()
     prompt = text[5000:8000]  # several hundred tokens, unused by other tests
-    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
-                                      temperature=0)
-    second = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
-                                       temperature=0)
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0)
+    second = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0)
     n = first.usage.prompt_tokens
     assert n > 300
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -194,8 +225,9 @@ def test_usage_reports_cached_prompt_tokens(client):
 
 
 def test_logprobs(client):
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0,
-                                    logprobs=3)
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3
+    )
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == out.choices[0].text
@@ -207,8 +239,12 @@ def test_logprobs(client):
         assert value == pytest.approx(top[chosen], abs=1e-4)
 
     chat = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-        temperature=0, logprobs=True, top_logprobs=2,
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3
@@ -233,13 +269,15 @@ def test_metrics_content(client, server):
     )
     assert after['kvactor_request_finish_total{reason="length"}'] >= 1
     assert after['kvactor_kv_pages{state="total"}'] == NUM_PAGES
-    pages = [after[f'kvactor_kv_pages{{state="{s}"}}'] for s in ("free", "tree", "held",
-                                                                 "session")]
+    pages = [after[f'kvactor_kv_pages{{state="{s}"}}'] for s in ("free", "tree", "held", "session")]
     assert sum(pages) == NUM_PAGES
     assert after["kvactor_kv_cache_hit_tokens_total"] >= 0
-    for name in ("kvactor_num_requests_running", "kvactor_num_requests_waiting",
-                 "kvactor_scheduler_retractions_total",
-                 'kvactor_engine_stats_up{source="scheduler"}'):
+    for name in (
+        "kvactor_num_requests_running",
+        "kvactor_num_requests_waiting",
+        "kvactor_scheduler_retractions_total",
+        'kvactor_engine_stats_up{source="scheduler"}',
+    ):
         assert after[name] >= 0
     bucket = 'kvactor_time_to_first_token_seconds_bucket{le="+Inf"}'
     assert after[bucket] == after["kvactor_time_to_first_token_seconds_count"]
@@ -250,21 +288,37 @@ def test_metrics_content(client, server):
 SERIES = [
     *(f'kvactor_requests_total{{outcome="{o}"}}' for o in ("success", "error", "aborted")),
     'kvactor_request_finish_total{reason="length"}',
-    "kvactor_prompt_tokens_total", "kvactor_generation_tokens_total",
+    "kvactor_prompt_tokens_total",
+    "kvactor_generation_tokens_total",
     "kvactor_cached_prompt_tokens_total",
-    *(f"kvactor_{h}_{part}" for h in ("time_to_first_token_seconds",
-                                      "inter_token_latency_seconds",
-                                      "e2e_request_latency_seconds")
-      for part in ("count", "sum")),
-    'kvactor_engine_stats_up{source="scheduler"}', 'kvactor_engine_stats_up{source="allocator"}',
-    "kvactor_num_requests_running", "kvactor_num_requests_waiting",
-    "kvactor_num_requests_prefilling", "kvactor_scheduler_steps_total",
-    "kvactor_scheduler_retractions_total", "kvactor_scheduler_prompt_tokens_total",
+    *(
+        f"kvactor_{h}_{part}"
+        for h in (
+            "time_to_first_token_seconds",
+            "inter_token_latency_seconds",
+            "e2e_request_latency_seconds",
+        )
+        for part in ("count", "sum")
+    ),
+    'kvactor_engine_stats_up{source="scheduler"}',
+    'kvactor_engine_stats_up{source="allocator"}',
+    "kvactor_num_requests_running",
+    "kvactor_num_requests_waiting",
+    "kvactor_num_requests_prefilling",
+    "kvactor_scheduler_steps_total",
+    "kvactor_scheduler_retractions_total",
+    "kvactor_scheduler_prompt_tokens_total",
     "kvactor_scheduler_generated_tokens_total",
-    *(f'kvactor_kv_pages{{state="{s}"}}' for s in ("total", "free", "tree", "held", "session",
-                                                   "evictable")),
-    "kvactor_kv_request_records", "kvactor_kv_held_rows", "kvactor_kv_cache_hit_tokens_total",
-    "kvactor_kv_evicted_pages_total", "kvactor_kv_retractions_total", "kvactor_kv_aborted_total",
+    *(
+        f'kvactor_kv_pages{{state="{s}"}}'
+        for s in ("total", "free", "tree", "held", "session", "evictable")
+    ),
+    "kvactor_kv_request_records",
+    "kvactor_kv_held_rows",
+    "kvactor_kv_cache_hit_tokens_total",
+    "kvactor_kv_evicted_pages_total",
+    "kvactor_kv_retractions_total",
+    "kvactor_kv_aborted_total",
 ]
 
 
@@ -279,14 +333,14 @@ def test_metrics_carry_every_series_and_process_metrics(client, server):
 
 
 def test_api_key_is_required(server):
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong-key",
-                       max_retries=0) as bad:
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong-key", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError) as info:
             bad.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1)
     assert info.value.status_code == 401
     assert info.value.body["code"] == "invalid_api_key"
-    missing = httpx.post(f"{server.base_url}/v1/completions",
-                         json={"model": MODEL_NAME, "prompt": PROMPT})
+    missing = httpx.post(
+        f"{server.base_url}/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT}
+    )
     assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
     assert httpx.get(f"{server.base_url}/v1/models").status_code == 401
     assert httpx.get(f"{server.base_url}/metrics").status_code == 200  # open by design
@@ -298,10 +352,20 @@ def test_ports_in_use_crash_the_server_loudly(server):
     free = str(pick_free_tcp_port())
     base = [sys.executable, "-m", "actors.app.cli", "serve", "--set", "kv.num_pages=64"]
     runs = [
-        subprocess.Popen([*base, "--port", http_port], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True),
-        subprocess.Popen([*base, "--port", free, "--zmq", server.zmq_address], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        subprocess.Popen(
+            [*base, "--port", http_port],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
+        subprocess.Popen(
+            [*base, "--port", free, "--zmq", server.zmq_address],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
     ]
     for run, actor in zip(runs, ("gateway", "zmq_endpoint")):
         output, _ = run.communicate(timeout=120)
@@ -319,24 +383,28 @@ def test_in_process_engine_without_api_key():
     zmq_address = f"tcp://127.0.0.1:{zmq_port}"
     cfg = small_config(server__port=port)
     assert cfg.server.api_key == ""
-    watcher = ActorSpec("watcher", "actors.frontends.http.actor:GatewayActor",
-                        dict(port=watcher_port, watched_actors=["tokenizer", "ghost"]))
+    watcher = ActorSpec(
+        "watcher",
+        "actors.frontends.http.actor:GatewayActor",
+        dict(port=watcher_port, watched_actors=["tokenizer", "ghost"]),
+    )
 
     async def run() -> None:
         specs = [*serving_specs(cfg, zmq_address), watcher]
         async with ServingEngine(cfg, extra_specs=specs):
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
-                                         timeout=60) as http:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
                 health = await http.get(f"http://127.0.0.1:{watcher_port}/health")
                 assert health.status_code == 503 and list(health.json()["down"]) == ["ghost"]
                 assert (await http.get("/health")).status_code == 200
                 assert (await http.get("/v1/models")).status_code == 200
-                resp = await http.post("/v1/completions", json={
-                    "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+                resp = await http.post(
+                    "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+                )
                 assert resp.status_code == 200, resp.text
             async with KvactorClient(zmq_address) as client:
                 done = await client.complete(
-                    prompt=PROMPT, params=GenerationParams(max_tokens=4, temperature=0.0))
+                    prompt=PROMPT, params=GenerationParams(max_tokens=4, temperature=0.0)
+                )
             assert done.text == resp.json()["choices"][0]["text"]
         # The engine is stopped: the port is free again.
         with socket.create_server(("127.0.0.1", port)):

@@ -48,8 +48,12 @@ def system_idle_after(server):
 
 
 def http_text(server, **body) -> dict:
-    resp = httpx.post(f"{server.base_url}/v1/completions", headers=server.auth, timeout=60,
-                      json={"model": MODEL_NAME, **body})
+    resp = httpx.post(
+        f"{server.base_url}/v1/completions",
+        headers=server.auth,
+        timeout=60,
+        json={"model": MODEL_NAME, **body},
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -59,8 +63,9 @@ def test_stream_matches_http_and_complete(server):
 
     async def run() -> None:
         async with KvactorClient(server.zmq_address) as client:
-            chunks = [c async for c in client.stream(prompt=PROMPT, params=GREEDY,
-                                                     request_id="greedy-1")]
+            chunks = [
+                c async for c in client.stream(prompt=PROMPT, params=GREEDY, request_id="greedy-1")
+            ]
             whole = await client.complete(prompt=PROMPT, params=GREEDY)
             chat = await client.complete(
                 messages=[ChatMessage(role="user", content="Hi")],
@@ -89,8 +94,9 @@ def test_abort_mid_stream_and_leave_early(server):
     async def run() -> None:
         async with KvactorClient(server.zmq_address) as client:
             seen = []
-            async for chunk in client.stream(prompt="Tell me a story.", params=long,
-                                             request_id="to-abort"):
+            async for chunk in client.stream(
+                prompt="Tell me a story.", params=long, request_id="to-abort"
+            ):
                 seen.append(chunk)
                 if len(seen) == 3:
                     await client.abort("to-abort")
@@ -98,8 +104,9 @@ def test_abort_mid_stream_and_leave_early(server):
             assert len(seen) < 50
             assert all(c.finish_reason is None for c in seen[:-1])
             # Leaving a stream early (closing its generator) aborts its request too.
-            async with contextlib.aclosing(client.stream(prompt="Another story.",
-                                                         params=long)) as chunks:
+            async with contextlib.aclosing(
+                client.stream(prompt="Another story.", params=long)
+            ) as chunks:
                 async for chunk in chunks:
                     if chunk.token_ids:
                         break
@@ -135,6 +142,7 @@ def test_malformed_frames_get_client_errors(server):
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(server.zmq_address)
         try:
+
             async def reply() -> ClientChunk | ClientError:
                 with anyio.fail_after(30):
                     frames = await sock.recv_multipart()
@@ -148,10 +156,20 @@ def test_malformed_frames_get_client_errors(server):
                 [b""],
                 [msgspec.msgpack.encode({"type": "ClientLaunchMissiles", "request_id": "x"})],
                 [msgspec.msgpack.encode({"type": "ClientSubmit"})],  # no request_id
-                [msgspec.msgpack.encode({"type": "ClientSubmit", "request_id": "a",
-                                         "params": {"max_tokens": "many"}})],
-                [msgspec.msgpack.encode({"type": "ClientSubmit", "request_id": "a",
-                                         "prompt": "x", "surprise": 1})],
+                [
+                    msgspec.msgpack.encode(
+                        {
+                            "type": "ClientSubmit",
+                            "request_id": "a",
+                            "params": {"max_tokens": "many"},
+                        }
+                    )
+                ],
+                [
+                    msgspec.msgpack.encode(
+                        {"type": "ClientSubmit", "request_id": "a", "prompt": "x", "surprise": 1}
+                    )
+                ],
                 [msgspec.msgpack.encode([1, 2, 3])],
                 [msgspec.msgpack.encode({"type": "ClientSubmit", "request_id": "", "prompt": "x"})],
                 [b"two", b"frames"],
@@ -162,9 +180,11 @@ def test_malformed_frames_get_client_errors(server):
                 assert isinstance(error, ClientError), (frames, error)
                 assert error.code == ERR_MALFORMED and error.message
             # A valid frame on the same socket works, and a duplicate live id is refused.
-            submit = ClientSubmit(request_id="ok-1", prompt=PROMPT,
-                                  params=GenerationParams(max_tokens=30, temperature=0.0,
-                                                          ignore_eos=True))
+            submit = ClientSubmit(
+                request_id="ok-1",
+                prompt=PROMPT,
+                params=GenerationParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+            )
             await sock.send(msgspec.msgpack.encode(submit))
             await sock.send(msgspec.msgpack.encode(submit))
             frames = [await reply()]
@@ -194,9 +214,11 @@ def test_disconnected_client_has_its_requests_aborted(server):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(server.zmq_address)
-        submit = ClientSubmit(request_id="vanish", prompt="Tell me everything.",
-                              params=GenerationParams(max_tokens=400, ignore_eos=True,
-                                                      temperature=0.0))
+        submit = ClientSubmit(
+            request_id="vanish",
+            prompt="Tell me everything.",
+            params=GenerationParams(max_tokens=400, ignore_eos=True, temperature=0.0),
+        )
         await sock.send(msgspec.msgpack.encode(submit))
         with anyio.fail_after(30):
             await sock.recv_multipart()

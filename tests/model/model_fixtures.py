@@ -76,11 +76,18 @@ def make_executor(
     slots = ContiguousSlots(num_rows, row_capacity, first_slot=page_size)
     total = slots.num_slots_needed
     total += (-total) % page_size
-    kv = KVCache(config.num_layers, total, config.num_kv_heads, config.head_dim, dtype,
-                 page_size=page_size)
+    kv = KVCache(
+        config.num_layers, total, config.num_kv_heads, config.head_dim, dtype, page_size=page_size
+    )
     table = ReqToTokenTable(num_rows, row_capacity)
-    executor = ModelExecutor(config, model, kv, make_attention_backend("torch"), table,
-                             lm_head=shared_lm_head(config, model))
+    executor = ModelExecutor(
+        config,
+        model,
+        kv,
+        make_attention_backend("torch"),
+        table,
+        lm_head=shared_lm_head(config, model),
+    )
     return executor, slots
 
 
@@ -98,7 +105,7 @@ class GreedyRunner:
         last: list[torch.Tensor | None] = [None] * n
         while any(done[i] < len(prompts[i]) for i in range(n)):
             reqs = [i for i in range(n) if done[i] < len(prompts[i])]
-            pieces = [prompts[i][done[i]: done[i] + (chunk or len(prompts[i]))] for i in reqs]
+            pieces = [prompts[i][done[i] : done[i] + (chunk or len(prompts[i]))] for i in reqs]
             final = [done[i] + len(p) == len(prompts[i]) for i, p in zip(reqs, pieces)]
             deltas = self.slots.extend(reqs, [len(p) for p in pieces])
             batch = ForwardBatch(reqs, [done[i] for i in reqs], pieces, final, deltas)
@@ -110,7 +117,10 @@ class GreedyRunner:
         return torch.stack(last)  # type: ignore[arg-type]
 
     def generate(
-        self, prompts: list[list[int]], max_new: int, chunk: int | None = None,
+        self,
+        prompts: list[list[int]],
+        max_new: int,
+        chunk: int | None = None,
         stop_ids: tuple[int, ...] = (),
     ) -> list[list[int]]:
         """Greedy continuations (up to max_new tokens, stopping after a stop id)."""
@@ -120,13 +130,18 @@ class GreedyRunner:
         outputs = [[int(t)] for t in logits.argmax(-1)]
         lens = [len(p) for p in prompts]
         for _ in range(max_new - 1):
-            live = [i for i, out in enumerate(outputs)
-                    if len(out) < max_new and out[-1] not in stop_ids]
+            live = [
+                i for i, out in enumerate(outputs) if len(out) < max_new and out[-1] not in stop_ids
+            ]
             if not live:
                 break
             deltas = self.slots.extend(live, [1] * len(live))
-            batch = ForwardBatch.decode(live, [lens[i] + len(outputs[i]) - 1 for i in live],
-                                        [outputs[i][-1] for i in live], deltas)
+            batch = ForwardBatch.decode(
+                live,
+                [lens[i] + len(outputs[i]) - 1 for i in live],
+                [outputs[i][-1] for i in live],
+                deltas,
+            )
             next_ids = self.executor.forward(batch).argmax(-1).tolist()
             for i, t in zip(live, next_ids):
                 outputs[i].append(int(t))

@@ -123,9 +123,9 @@ CORPUS = (
     "The quick brown fox jumps over the lazy dog. Voilà: naïve café, crème brûlée, façade. "
     "日本語のテキストと中文文本, 한국어 문장. Emoji 😀🎉 👍🏽 👨‍👩‍👧 🇯🇵🇫🇷 and e\u0301 a\u0308 "
     "Ελληνικά κείμενα, русский текст, עברית, العربية. def f(x):\n    return x ** 2\n\t"
-    "Rare glyphs 𓀀𓀁 ꙮ 🧌 \U0001FACF 𝔘𝔫𝔦𝔠𝔬𝔡𝔢. Math ∑∫√∞ ≤ ≥. "
+    "Rare glyphs 𓀀𓀁 ꙮ 🧌 \U0001facf 𝔘𝔫𝔦𝔠𝔬𝔡𝔢. Math ∑∫√∞ ≤ ≥. "
 )
-EXTENDERS = "\u0301\u0308\u0323\u200d\ufe0f\U0001F3FD\U0001F1EF\U0001F1F5"
+EXTENDERS = "\u0301\u0308\u0323\u200d\ufe0f\U0001f3fd\U0001f1ef\U0001f1f5"
 
 
 def random_output_ids(tok: Tokenizer, rng: random.Random, length: int) -> list[int]:

@@ -88,8 +88,10 @@ def test_config_agrees_with_transformers(gguf_path, reader):
     assert config.num_layers == hf.num_hidden_layers
     assert config.hidden == hf.hidden_size
     assert config.intermediate == hf.intermediate_size
-    assert (config.num_heads, config.num_kv_heads) == (hf.num_attention_heads,
-                                                       hf.num_key_value_heads)
+    assert (config.num_heads, config.num_kv_heads) == (
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+    )
     assert config.head_dim == hf.head_dim
     assert config.vocab == hf.vocab_size
     assert config.sliding_window == hf.sliding_window
@@ -116,8 +118,11 @@ def test_weights_dequantized_with_hf_names(gguf_path, reader):
     assert weights["embed_tokens.weight"].shape == (262144, 640)
     assert weights["layers.0.self_attn.q_proj.weight"].shape == (1024, 640)
     assert weights["layers.0.mlp.down_proj.weight"].shape == (640, 2048)
-    assert all(t.dtype == torch.float32 and bool(torch.isfinite(t).all())
-               for name, t in weights.items() if "layers.0." in name)
+    assert all(
+        t.dtype == torch.float32 and bool(torch.isfinite(t).all())
+        for name, t in weights.items()
+        if "layers.0." in name
+    )
     # Norms are stored by llama.cpp as 1 + w; we hold w (the model applies 1 + w).
     raw = next(t for t in reader.tensors if t.name == "blk.0.attn_norm.weight")
     expected = torch.from_numpy(raw.data.copy()) - 1.0
@@ -128,10 +133,13 @@ def test_tokenizer_encodes_like_hf(hf_tokenizer):
     bundle = load_tokenizer(None)
     for text in TEXTS:
         assert bundle.encode(text) == hf_tokenizer(text).input_ids, text
-        assert bundle.encode(text, add_special_tokens=False) == hf_tokenizer(
-            text, add_special_tokens=False).input_ids
+        assert (
+            bundle.encode(text, add_special_tokens=False)
+            == hf_tokenizer(text, add_special_tokens=False).input_ids
+        )
         assert bundle.decode(bundle.encode(text)) == hf_tokenizer.decode(
-            hf_tokenizer(text).input_ids, skip_special_tokens=True)
+            hf_tokenizer(text).input_ids, skip_special_tokens=True
+        )
     assert bundle.encode_batch(TEXTS) == [hf_tokenizer(t).input_ids for t in TEXTS]
     assert (bundle.bos_id, bundle.pad_id) == (2, 0)
     assert bundle.eos_ids == [1, 106]
@@ -144,11 +152,13 @@ def test_chat_template_renders_like_hf(hf_tokenizer):
     text = bundle.render_chat(CHAT)
     assert text.startswith("<bos><start_of_turn>user\nYou are terse.\n\nName a prime")
     assert text.endswith("<start_of_turn>model\n")
-    want = hf_tokenizer.apply_chat_template(CHAT, chat_template=bundle.chat_template,
-                                            tokenize=False, add_generation_prompt=True)
+    want = hf_tokenizer.apply_chat_template(
+        CHAT, chat_template=bundle.chat_template, tokenize=False, add_generation_prompt=True
+    )
     assert text == want
-    want_ids = hf_tokenizer.apply_chat_template(CHAT, chat_template=bundle.chat_template,
-                                                tokenize=True, add_generation_prompt=True)
+    want_ids = hf_tokenizer.apply_chat_template(
+        CHAT, chat_template=bundle.chat_template, tokenize=True, add_generation_prompt=True
+    )
     if hasattr(want_ids, "input_ids"):
         want_ids = want_ids["input_ids"]
     assert bundle.encode_chat(CHAT) == list(want_ids)
@@ -189,10 +199,16 @@ def test_default_model_assembled_atomically_once(tmp_path, monkeypatch):
     path = default_model_path(tmp_path)
     assert path.parent == tmp_path and path.stat().st_size > 200_000_000
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
-    monkeypatch.setattr(embedded, "assemble", lambda *a, **k: (_ for _ in ()).throw(
-        AssertionError("assembled twice")))
-    monkeypatch.setattr(gguf_loader, "_sha256", lambda p: (_ for _ in ()).throw(
-        AssertionError("rehashed an unchanged file")))
+    monkeypatch.setattr(
+        embedded,
+        "assemble",
+        lambda *a, **k: (_ for _ in ()).throw(AssertionError("assembled twice")),
+    )
+    monkeypatch.setattr(
+        gguf_loader,
+        "_sha256",
+        lambda p: (_ for _ in ()).throw(AssertionError("rehashed an unchanged file")),
+    )
     assert default_model_path(tmp_path) == path
     monkeypatch.setenv("KVACTOR_CACHE", str(tmp_path))
     assert default_model_path() == path
@@ -210,8 +226,9 @@ def test_cached_start_is_fast(gguf_path):
         "print(time.perf_counter() - t)\n"
     )
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
     elapsed = float(out.stdout.strip().splitlines()[-1])
     assert elapsed < 20.0, elapsed
     assert time.perf_counter() - start < 30.0

@@ -14,16 +14,20 @@ from tests.model.model_fixtures import GreedyRunner, make_executor, rel_l2
 
 pytestmark = pytest.mark.model
 
-LONG_TEXT = "Notes from the observatory log, kept in order.\n" + "\n".join(
-    f"Entry {i}: on night {i} the sky over station {chr(65 + i % 26)} was "
-    f"{['clear', 'hazy', 'cloudy', 'windy', 'still'][i % 5]}, and we recorded "
-    f"{(i * 37) % 101} meteors and {(i * 13) % 7} satellites before dawn."
-    for i in range(1, 46)
-) + "\nSummary of the log: the clearest night was"
+LONG_TEXT = (
+    "Notes from the observatory log, kept in order.\n"
+    + "\n".join(
+        f"Entry {i}: on night {i} the sky over station {chr(65 + i % 26)} was "
+        f"{['clear', 'hazy', 'cloudy', 'windy', 'still'][i % 5]}, and we recorded "
+        f"{(i * 37) % 101} meteors and {(i * 13) % 7} satellites before dawn."
+        for i in range(1, 46)
+    )
+    + "\nSummary of the log: the clearest night was"
+)
 
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village by the sea, there lived",
     "Translate to German: The weather is nice today. ->",
     "Liste des courses : pommes, poires, 🍌 bananes, et",
@@ -94,8 +98,10 @@ def test_greedy_matches_hf_generate(ours, hf_model, prompt_ids):
     with torch.inference_mode():
         for ids, ours_out in zip(prompt_ids, got):
             out = hf_model.generate(
-                torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                torch.tensor([ids]),
+                max_new_tokens=new_tokens,
+                do_sample=False,
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
             )
-            want = out[0, len(ids):].tolist()
+            want = out[0, len(ids) :].tolist()
             assert ours_out == want

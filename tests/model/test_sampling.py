@@ -14,8 +14,9 @@ from transport.messages.params import GenerationParams as SamplingParams
 from transport.messages.params import InvalidParams, validate_params
 
 
-def _sampler_with(params_by_rid: dict[int, SamplingParams],
-                  prompts: dict[int, list[int]] | None = None) -> Sampler:
+def _sampler_with(
+    params_by_rid: dict[int, SamplingParams], prompts: dict[int, list[int]] | None = None
+) -> Sampler:
     sampler = Sampler()
     for rid, params in params_by_rid.items():
         sampler.add_request(rid, params, (prompts or {}).get(rid, []))
@@ -41,7 +42,8 @@ def _reference_kept(logits_row: torch.Tensor, params: SamplingParams) -> np.ndar
     """The documented truncation semantics, written out plainly over a full sort."""
     weights = np.exp(
         (logits_row.double().numpy() / params.temperature)
-        - (logits_row.double().numpy() / params.temperature).max())
+        - (logits_row.double().numpy() / params.temperature).max()
+    )
     kept = np.ones_like(weights, dtype=bool)
     if params.top_k > 0:
         kept &= weights >= np.sort(weights)[::-1][params.top_k - 1]
@@ -67,15 +69,34 @@ def _assert_frequencies_match(tokens: np.ndarray, probabilities: np.ndarray) -> 
 
 # --- parameters ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", [
-    {"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": float("inf")},
-    {"temperature": "1"}, {"top_k": -2}, {"top_k": 1.5}, {"top_k": True},
-    {"top_p": 0.0}, {"top_p": 1.01}, {"min_p": -0.01}, {"min_p": 1.5},
-    {"seed": -1}, {"seed": 2**63}, {"seed": 1.0}, {"repetition_penalty": 0.0},
-    {"repetition_penalty": -1.0}, {"frequency_penalty": 2.5}, {"presence_penalty": -2.01},
-    {"logprobs": 1}, {"top_logprobs": -1}, {"top_logprobs": 21},
-    {"top_logprobs": 2, "logprobs": False},
-])
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -0.1},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"temperature": "1"},
+        {"top_k": -2},
+        {"top_k": 1.5},
+        {"top_k": True},
+        {"top_p": 0.0},
+        {"top_p": 1.01},
+        {"min_p": -0.01},
+        {"min_p": 1.5},
+        {"seed": -1},
+        {"seed": 2**63},
+        {"seed": 1.0},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": -1.0},
+        {"frequency_penalty": 2.5},
+        {"presence_penalty": -2.01},
+        {"logprobs": 1},
+        {"top_logprobs": -1},
+        {"top_logprobs": 21},
+        {"top_logprobs": 2, "logprobs": False},
+    ],
+)
 def test_validate_rejects_out_of_range(bad: dict) -> None:
     params = SamplingParams(**bad)
     with pytest.raises(ValueError) as error:
@@ -86,9 +107,19 @@ def test_validate_rejects_out_of_range(bad: dict) -> None:
 
 def test_validate_accepts_edges() -> None:
     # One set of limits for every entry point (HTTP, ZeroMQ, offline): seeds are int64.
-    for good in [{}, {"temperature": 0.0}, {"temperature": 2.0}, {"top_k": 0}, {"top_k": 1},
-                 {"top_p": 1.0}, {"min_p": 1.0}, {"seed": 0}, {"seed": 2**63 - 1},
-                 {"frequency_penalty": -2.0}, {"logprobs": True, "top_logprobs": 20}]:
+    for good in [
+        {},
+        {"temperature": 0.0},
+        {"temperature": 2.0},
+        {"top_k": 0},
+        {"top_k": 1},
+        {"top_p": 1.0},
+        {"min_p": 1.0},
+        {"seed": 0},
+        {"seed": 2**63 - 1},
+        {"frequency_penalty": -2.0},
+        {"logprobs": True, "top_logprobs": 20},
+    ]:
         validate_params(SamplingParams(**good))
 
 
@@ -109,6 +140,7 @@ def test_registry_errors() -> None:
 
 # --- greedy -------------------------------------------------------------------------------
 
+
 def test_all_greedy_batch_is_argmax_and_leaves_logits_untouched() -> None:
     logits = _random_logits(6, 1000, seed=1)
     before = logits.clone()
@@ -122,20 +154,27 @@ def test_all_greedy_batch_is_argmax_and_leaves_logits_untouched() -> None:
 def test_greedy_rows_in_a_mixed_batch_are_argmax() -> None:
     logits = _random_logits(4, 1000, seed=2)
     expected = logits.argmax(dim=-1)
-    sampler = _sampler_with({0: SamplingParams(temperature=0.0),
-                             1: SamplingParams(temperature=1.5, top_p=0.5, seed=3),
-                             2: SamplingParams(temperature=0.0, top_k=5),
-                             3: SamplingParams(temperature=0.7, min_p=0.1, seed=4)})
+    sampler = _sampler_with(
+        {
+            0: SamplingParams(temperature=0.0),
+            1: SamplingParams(temperature=1.5, top_p=0.5, seed=3),
+            2: SamplingParams(temperature=0.0, top_k=5),
+            3: SamplingParams(temperature=0.7, min_p=0.1, seed=4),
+        }
+    )
     out = sampler.sample([0, 1, 2, 3], logits)
     assert out.tokens[0] == expected[0] and out.tokens[2] == expected[2]
 
 
 # --- seeds and batch independence ---------------------------------------------------------
 
+
 def _sequence(params: SamplingParams, steps: int, vocab: int = 1000) -> list[int]:
     sampler = _sampler_with({7: params})
-    return [sampler.sample([7], _random_logits(1, vocab, seed=100 + step, scale=1.0)).tokens[0]
-            for step in range(steps)]
+    return [
+        sampler.sample([7], _random_logits(1, vocab, seed=100 + step, scale=1.0)).tokens[0]
+        for step in range(steps)
+    ]
 
 
 def test_same_seed_reproduces_and_different_seeds_differ() -> None:
@@ -149,8 +188,15 @@ def test_same_seed_reproduces_and_different_seeds_differ() -> None:
 
 @pytest.mark.parametrize("vocab", [50001, 262144])
 def test_a_request_samples_the_same_alone_or_in_any_batch(vocab: int) -> None:
-    watched = SamplingParams(temperature=0.9, top_p=0.8, top_k=4000, min_p=0.001,
-                             repetition_penalty=1.2, frequency_penalty=0.3, seed=99)
+    watched = SamplingParams(
+        temperature=0.9,
+        top_p=0.8,
+        top_k=4000,
+        min_p=0.001,
+        repetition_penalty=1.2,
+        frequency_penalty=0.3,
+        seed=99,
+    )
     others = {
         11: SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
         12: SamplingParams(temperature=2.0, top_p=0.9, seed=5),  # flat: many candidates
@@ -175,19 +221,23 @@ def test_a_request_samples_the_same_alone_or_in_any_batch(vocab: int) -> None:
 CRAFTED = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.04, 0.01]))
 
 
-@pytest.mark.parametrize("params, allowed", [
-    (SamplingParams(top_k=2), {0, 1}),
-    (SamplingParams(top_p=0.69), {0, 1}),
-    (SamplingParams(top_p=0.71), {0, 1, 2}),
-    (SamplingParams(min_p=0.3), {0, 1, 2}),
-    (SamplingParams(top_k=3, top_p=0.5), {0, 1}),  # top-p over the top-3 renormalised mass
-    (SamplingParams(top_k=3, top_p=0.45), {0}),  # 0.4 / 0.85 > 0.45 already
-    (SamplingParams(top_k=1), {0}),
-    (SamplingParams(top_p=0.01), {0}),  # the top token always survives
-    (SamplingParams(top_k=5, min_p=0.2), {0, 1, 2, 3}),
-])
-def test_truncation_never_emits_an_excluded_token(params: SamplingParams,
-                                                  allowed: set[int]) -> None:
+@pytest.mark.parametrize(
+    "params, allowed",
+    [
+        (SamplingParams(top_k=2), {0, 1}),
+        (SamplingParams(top_p=0.69), {0, 1}),
+        (SamplingParams(top_p=0.71), {0, 1, 2}),
+        (SamplingParams(min_p=0.3), {0, 1, 2}),
+        (SamplingParams(top_k=3, top_p=0.5), {0, 1}),  # top-p over the top-3 renormalised mass
+        (SamplingParams(top_k=3, top_p=0.45), {0}),  # 0.4 / 0.85 > 0.45 already
+        (SamplingParams(top_k=1), {0}),
+        (SamplingParams(top_p=0.01), {0}),  # the top token always survives
+        (SamplingParams(top_k=5, min_p=0.2), {0, 1, 2, 3}),
+    ],
+)
+def test_truncation_never_emits_an_excluded_token(
+    params: SamplingParams, allowed: set[int]
+) -> None:
     tokens = _draw_many(params, CRAFTED, draws=3000)
     assert set(tokens.tolist()) == allowed
     probabilities = np.zeros(CRAFTED.numel())
@@ -207,7 +257,8 @@ def test_truncation_matches_reference_on_random_logits_with_ties(case: int) -> N
         temperature=float(rng.uniform(0.5, 1.5)),
         top_k=int(rng.choice([-1, 3, 10])),
         top_p=float(rng.choice([1.0, rng.uniform(0.3, 0.95)])),
-        min_p=float(rng.choice([0.0, rng.uniform(0.01, 0.2)])))
+        min_p=float(rng.choice([0.0, rng.uniform(0.01, 0.2)])),
+    )
     kept = _reference_kept(logits, params)
     tokens = _draw_many(params, logits, draws=4000)
     assert set(tokens.tolist()) <= set(np.nonzero(kept)[0].tolist())
@@ -239,6 +290,7 @@ def test_temperature_scales_the_distribution() -> None:
 
 # --- penalties ----------------------------------------------------------------------------
 
+
 def _force(sampler: Sampler, rid: int, token: int, vocab: int) -> None:
     """Emit ``token`` for ``rid`` through a real sampling step (it dominates the logits)."""
     logits = torch.full((1, vocab), -1e4)
@@ -248,8 +300,13 @@ def _force(sampler: Sampler, rid: int, token: int, vocab: int) -> None:
 
 def test_penalties_change_the_distribution_exactly_as_specified() -> None:
     vocab = 8
-    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5,
-                            presence_penalty=0.25, logprobs=True)
+    params = SamplingParams(
+        temperature=0.0,
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        logprobs=True,
+    )
     sampler = _sampler_with({1: params}, {1: [0, 1, 1]})
     for token in (2, 2, 3, 0):
         _force(sampler, 1, token, vocab)
@@ -278,8 +335,7 @@ def test_penalised_sampling_follows_the_penalised_distribution() -> None:
         _force(sampler, rid, 0, vocab)
         _force(sampler, rid, 0, vocab)
         _force(sampler, rid, 2, vocab)
-    tokens = np.asarray(sampler.sample(list(range(draws)), logits.expand(draws, -1).clone())
-                        .tokens)
+    tokens = np.asarray(sampler.sample(list(range(draws)), logits.expand(draws, -1).clone()).tokens)
     penalised = logits.clone()
     penalised[0] -= 1.5 + 0.5 * 2
     penalised[2] -= 1.5 + 0.5 * 1
@@ -287,16 +343,14 @@ def test_penalised_sampling_follows_the_penalised_distribution() -> None:
 
 
 def test_greedy_argmax_is_taken_after_penalties() -> None:
-    sampler = _sampler_with({1: SamplingParams(temperature=0.0, repetition_penalty=3.0)},
-                            {1: [0]})
+    sampler = _sampler_with({1: SamplingParams(temperature=0.0, repetition_penalty=3.0)}, {1: [0]})
     assert sampler.sample([1], torch.tensor([[3.0, 2.0, -1.0]])).tokens == [1]
 
 
 def test_penalties_apply_to_logits_made_under_inference_mode() -> None:
     with torch.inference_mode():
         logits = torch.tensor([[2.0, 1.0, 0.5]])
-    sampler = _sampler_with({1: SamplingParams(temperature=0.0, repetition_penalty=4.0)},
-                            {1: [0]})
+    sampler = _sampler_with({1: SamplingParams(temperature=0.0, repetition_penalty=4.0)}, {1: [0]})
     assert sampler.sample([1], logits).tokens == [1]
     assert logits[0, 0].item() == pytest.approx(0.5)
 
@@ -309,32 +363,36 @@ def test_prompt_ids_outside_the_vocabulary_are_rejected() -> None:
 
 # --- logprobs -----------------------------------------------------------------------------
 
+
 def test_logprobs_and_top_logprobs_match_log_softmax() -> None:
     vocab = 5000
     logits = _random_logits(4, vocab, seed=9)
     reference = torch.log_softmax(logits.double(), dim=-1)
-    sampler = _sampler_with({
-        0: SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
-        1: SamplingParams(temperature=0.7, top_k=20, seed=1, logprobs=True),
-        2: SamplingParams(temperature=1.0, seed=2),
-        3: SamplingParams(temperature=2.0, top_p=0.5, seed=3, logprobs=True, top_logprobs=3),
-    })
+    sampler = _sampler_with(
+        {
+            0: SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
+            1: SamplingParams(temperature=0.7, top_k=20, seed=1, logprobs=True),
+            2: SamplingParams(temperature=1.0, seed=2),
+            3: SamplingParams(temperature=2.0, top_p=0.5, seed=3, logprobs=True, top_logprobs=3),
+        }
+    )
     out = sampler.sample([0, 1, 2, 3], logits.clone())
     assert out.logprobs is not None and out.top_logprobs is not None
     assert out.logprobs[2] is None and out.top_logprobs[2] == [] and out.top_logprobs[1] == []
     for row in (0, 1, 3):
-        assert out.logprobs[row] == pytest.approx(float(reference[row, out.tokens[row]]),
-                                                  abs=1e-4)
+        assert out.logprobs[row] == pytest.approx(float(reference[row, out.tokens[row]]), abs=1e-4)
     for row, n in ((0, 5), (3, 3)):
         best = torch.topk(reference[row], n)
         assert [t for t, _ in out.top_logprobs[row]] == best.indices.tolist()
         assert [lp for _, lp in out.top_logprobs[row]] == pytest.approx(
-            best.values.tolist(), abs=1e-4)
+            best.values.tolist(), abs=1e-4
+        )
     assert out.top_logprobs[0][0][0] == out.tokens[0]
     assert all(math.isfinite(lp) and lp <= 0 for lp in (out.logprobs[0], out.logprobs[3]))
 
 
 # --- the two draw paths -------------------------------------------------------------------
+
 
 def test_candidate_draw_equals_full_vocabulary_draw() -> None:
     from kernels.sampling import _Candidates, _draw_full
@@ -348,8 +406,13 @@ def test_candidate_draw_equals_full_vocabulary_draw() -> None:
     threshold = float(best.values[150])
     assert candidates.values[-1] < threshold
     uniforms = torch.rand(500, generator=generator, dtype=torch.float64)
-    full = _draw_full(weights.expand(500, -1).clone(), torch.full((500,), threshold),
-                      uniforms, torch.empty(500, vocab), torch.empty(500, vocab, dtype=torch.bool))
+    full = _draw_full(
+        weights.expand(500, -1).clone(),
+        torch.full((500,), threshold),
+        uniforms,
+        torch.empty(500, vocab),
+        torch.empty(500, vocab, dtype=torch.bool),
+    )
     picked = [candidates.draw(threshold, float(u)) for u in uniforms]
     assert picked == full.tolist()
     assert len(set(picked)) > 20

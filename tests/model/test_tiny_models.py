@@ -23,8 +23,14 @@ from tests.model.model_fixtures import GreedyRunner, make_executor, rel_l2
 
 VOCAB = 512
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-    max_position_embeddings=256, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
     pad_token_id=0,
 )
 
@@ -34,23 +40,43 @@ def _configs():
 
     return {
         "llama3_rope": LlamaConfig(
-            **COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+            **COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
             tie_word_embeddings=False,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 32},
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
         ),
         "qwen2_bias_sliding": Qwen2Config(
-            **COMMON, num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True,
-            use_sliding_window=True, sliding_window=8, max_window_layers=1,
+            **COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
         ),
         "qwen3_qk_norm": Qwen3Config(
-            **COMMON, num_hidden_layers=2, num_key_value_heads=1, head_dim=32,
+            **COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=1,
+            head_dim=32,
             tie_word_embeddings=True,
         ),
         "gemma3_window8": Gemma3TextConfig(
-            **COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=16,
-            sliding_window=8, query_pre_attn_scalar=24,
+            **COMMON,
+            num_hidden_layers=3,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             final_logit_softcapping=30.0,
             rope_parameters={
@@ -143,11 +169,15 @@ def test_greedy_matches_hf_generate(tiny):
     executor, slots = make_executor(config, model, 1, 128)
     ours = GreedyRunner(executor, slots).generate([prompt], 10)[0]
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                          min_new_tokens=10, attention_mask=torch.ones(1, len(prompt),
-                                                                       dtype=torch.long))
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=10,
+            do_sample=False,
+            min_new_tokens=10,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
     # min_new_tokens only masks EOS; compare up to our first EOS (none expected usually).
-    want = out[0, len(prompt):].tolist()
+    want = out[0, len(prompt) :].tolist()
     if 2 in ours:
         ours = ours[: ours.index(2)]
         want = want[: len(ours)]
@@ -190,8 +220,7 @@ def test_torch_backend_matches_dense_attention(softcap, sliding):
     for r, p in enumerate(prefix_lens):
         if p:
             cache.write(0, table.table[r, :p].long(), all_k[r][:p], all_v[r][:p])
-    batch = ForwardBatch(list(range(rows)), prefix_lens,
-                         [[0] * e for e in extends], [True] * rows)
+    batch = ForwardBatch(list(range(rows)), prefix_lens, [[0] * e for e in extends], [True] * rows)
     meta = AttentionMetadata.build(batch, table, cache, shape)
     backend = make_attention_backend("torch")
     backend.plan(meta)
@@ -202,10 +231,17 @@ def test_torch_backend_matches_dense_attention(softcap, sliding):
     begin = 0
     for r, (p, e) in enumerate(zip(prefix_lens, extends)):
         want = _dense_attention(
-            q[begin:begin + e], all_k[r], all_v[r], torch.arange(p, p + e),
-            torch.arange(p + e), shape.scale, softcap, window if sliding else None, 2,
+            q[begin : begin + e],
+            all_k[r],
+            all_v[r],
+            torch.arange(p, p + e),
+            torch.arange(p + e),
+            shape.scale,
+            softcap,
+            window if sliding else None,
+            2,
         )
-        torch.testing.assert_close(out[begin:begin + e], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[begin : begin + e], want, rtol=1e-5, atol=1e-5)
         begin += e
     paged = meta.paged_kv
     assert paged.kv_page_indptr.tolist() == [0, 4, 8, 11]

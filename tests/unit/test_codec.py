@@ -190,8 +190,9 @@ msgpack_values = st.recursive(
     | st.floats(allow_nan=True)
     | st.text(max_size=20)
     | st.binary(max_size=20),
-    lambda children: st.lists(children, max_size=5)
-    | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=5)
+    ),
     max_leaves=30,
 )
 tags = st.sampled_from(["Ping", "Pong", "ErrorReply", "StatsReply", "ProbeSum", "Nope"])

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from actors.scheduler import policy
-from actors.scheduler.batch import StepOutbox, forward_batch, PrefillWork, SampledToken
+from actors.scheduler.batch import PrefillWork, SampledToken, StepOutbox, forward_batch
 from actors.scheduler.core import SchedulerCore
 from actors.scheduler.policy import (
     CutShort,
@@ -24,26 +24,45 @@ from transport.messages.params import GenerationParams
 from transport.messages.runner import StepResultMsg
 
 PS = 4
-LIMITS = SchedulerLimits(page_size=PS, row_capacity=256, max_running=8, max_batch_tokens=64,
-                         chunk_size=16)
+LIMITS = SchedulerLimits(
+    page_size=PS, row_capacity=256, max_running=8, max_batch_tokens=64, chunk_size=16
+)
 
 
 def req(rid: int, prompt: int, max_tokens: int = 8, out: int = 0, **kw) -> Req:
-    r = Req(rid=rid, prompt_ids=list(range(10, 10 + prompt)),
-            params=GenerationParams(max_tokens=max_tokens, **kw), eos_ids=frozenset({2}),
-            stop_ids=frozenset(kw.get("stop_token_ids", ())))
+    r = Req(
+        rid=rid,
+        prompt_ids=list(range(10, 10 + prompt)),
+        params=GenerationParams(max_tokens=max_tokens, **kw),
+        eos_ids=frozenset({2}),
+        stop_ids=frozenset(kw.get("stop_token_ids", ())),
+    )
     r.output_ids = list(range(500, 500 + out))
     return r
 
 
 def kv(free: int, evictable: int = 0) -> KvStats:
-    return KvStats(page_size=PS, total_pages=free + evictable, free_pages=free,
-                   tree_pages=evictable, held_pages=0, session_pages=0,
-                   evictable_pages=evictable, records=0, held_rows=0, cache_hit_tokens=0,
-                   evicted_pages=0, admitted=0, finished=0, aborted=0, retracted=0)
+    return KvStats(
+        page_size=PS,
+        total_pages=free + evictable,
+        free_pages=free,
+        tree_pages=evictable,
+        held_pages=0,
+        session_pages=0,
+        evictable_pages=evictable,
+        records=0,
+        held_rows=0,
+        cache_hit_tokens=0,
+        evicted_pages=0,
+        admitted=0,
+        finished=0,
+        aborted=0,
+        retracted=0,
+    )
 
 
 # ---- the decaying ratio ---------------------------------------------------------------------
+
 
 def test_new_token_ratio_decays_to_its_floor_and_resets():
     ratio = NewTokenRatio(0.7, 0.1, decay_steps=6)
@@ -67,6 +86,7 @@ def test_new_token_ratio_after_retraction_is_what_the_running_set_used():
 
 
 # ---- reservations and admission -------------------------------------------------------------
+
 
 def test_future_pages_counts_expected_decode_and_the_rest_of_prefill():
     waiting = req(1, 40, max_tokens=100)
@@ -106,8 +126,9 @@ def test_decode_reservation_of_running_requests_shrinks_what_admission_sees():
 
 def test_admission_respects_running_slots_and_the_token_budget():
     cands = [req(i, 20) for i in range(1, 10)]
-    limits = SchedulerLimits(page_size=PS, row_capacity=256, max_running=3,
-                             max_batch_tokens=64, chunk_size=16)
+    limits = SchedulerLimits(
+        page_size=PS, row_capacity=256, max_running=3, max_batch_tokens=64, chunk_size=16
+    )
     assert len(policy.admit(cands, [], kv(free=1000), 64, limits, 0.5)) == 3
     assert len(policy.admit(cands, [req(99, 4)], kv(free=1000), 64, limits, 0.5)) == 2
     # Budget 20 with chunks of 16: the first takes 16, the second gets the 4 left.
@@ -122,6 +143,7 @@ def test_lpm_orders_by_cached_prefix_and_keeps_arrival_order_on_ties():
 
 # ---- chunking -------------------------------------------------------------------------------
 
+
 def test_chunks_respect_chunk_size_and_budget():
     p1, p2 = req(1, 100), req(2, 10)
     p1.committed, p2.committed = 32, 4
@@ -133,6 +155,7 @@ def test_chunks_respect_chunk_size_and_budget():
 
 
 # ---- victims --------------------------------------------------------------------------------
+
 
 def test_victim_loses_least_work():
     a = req(1, 10, out=5)
@@ -171,13 +194,18 @@ def test_finish_reasons():
 
 # ---- the core: a request's path through the queues -----------------------------------------
 
+
 def core(**kw) -> SchedulerCore:
     return SchedulerCore(LIMITS, policy_name=Policy.FCFS, ratio=NewTokenRatio(0.5, 0.1))
 
 
 def new(rid: int, n: int, max_tokens: int = 4) -> NewRequest:
-    return NewRequest(rid=rid, prompt_ids=list(range(10, 10 + n)),
-                      params=GenerationParams(max_tokens=max_tokens), eos_ids=[2])
+    return NewRequest(
+        rid=rid,
+        prompt_ids=list(range(10, 10 + n)),
+        params=GenerationParams(max_tokens=max_tokens),
+        eos_ids=[2],
+    )
 
 
 def test_core_admits_prefills_decodes_and_finishes():
@@ -188,8 +216,10 @@ def test_core_admits_prefills_decodes_and_finishes():
     assert budget == 64 and c.wants_admission(budget)
     chunks = c.admissions(budget, kv(free=100))
     assert [(ch.req.rid, ch.budget) for ch in chunks] == [(1, 16), (2, 4)]
-    grants = [ExtendGrantItem(rid=1, row=1, cached_len=0, start=0, end=16),
-              ExtendGrantItem(rid=2, row=-1, cached_len=0, start=0, end=0)]  # 2 refused
+    grants = [
+        ExtendGrantItem(rid=1, row=1, cached_len=0, start=0, end=16),
+        ExtendGrantItem(rid=2, row=-1, cached_len=0, start=0, end=0),
+    ]  # 2 refused
     work = c.apply_grants(chunks, grants, SlotDeltas())
     assert [(w.req.rid, w.start, w.end) for w in work] == [(1, 0, 16)]
     assert [r.rid for r in c.prefilling] == [1] and [r.rid for r in c.waiting] == [2]
@@ -225,8 +255,9 @@ def test_core_end_aborts_at_the_safe_point_and_reports_cached_once():
     assert [(r.req.rid, r.finish) for r in out.reports] == [(1, FinishReason.ABORT)]
     c.submit([new(2, 8)])
     [chunk] = c.admissions(64, kv(free=100))
-    c.apply_grants([chunk], [ExtendGrantItem(rid=2, row=3, cached_len=4, start=4, end=8)],
-                   SlotDeltas())
+    c.apply_grants(
+        [chunk], [ExtendGrantItem(rid=2, row=3, cached_len=4, start=4, end=8)], SlotDeltas()
+    )
     out = StepOutbox()
     out.report(c.reqs[2], [SampledToken(5)])
     out.report(c.reqs[2], [SampledToken(6)])
@@ -256,9 +287,13 @@ def test_forward_batch_layout():
     d.row, d.committed, d.registered = 5, 8, True
     p = req(2, 10)
     p.row = 6
-    batch, new_reqs = forward_batch(7, [d], [PrefillWork(p, 4, 10)],
-                                    [SlotDeltas(rows=[6], starts=[4], lengths=[1], slots=[99]),
-                                     SlotDeltas()], finished_rids=[3])
+    batch, new_reqs = forward_batch(
+        7,
+        [d],
+        [PrefillWork(p, 4, 10)],
+        [SlotDeltas(rows=[6], starts=[4], lengths=[1], slots=[99]), SlotDeltas()],
+        finished_rids=[3],
+    )
     assert batch.rids == [1, 2] and batch.rows == [5, 6]
     assert batch.prefix_lens == [7, 4] and batch.extend_lens == [1, 6]
     assert batch.input_ids == [d.output_ids[-1], *p.tokens[4:10]]

@@ -19,7 +19,8 @@ sys.exit(int(code))
 
 
 def test_unit_tier_collects_without_torch():
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "HEAVY:\n" in out.stdout, out.stdout[-2000:]

@@ -10,9 +10,10 @@ actor `actors.frontends.zmq_endpoint.ZmqEndpointActor`). A client connects a DEA
     engine -> client   [payload]
 
 A REQ socket does not fit (it adds an empty delimiter frame and allows one request at a
-time); use DEALER. Every payload is one msgpack map: a tagged msgspec Struct whose tag field `type` is the
-class name, e.g. `{"type": "ClientSubmit", "request_id": "r1", ...}`. Decoding is strict:
-an unknown tag, an unknown field, a missing required field or a wrong type is refused.
+time); use DEALER. Every payload is one msgpack map: a tagged msgspec Struct whose tag
+field `type` is the class name, e.g. `{"type": "ClientSubmit", "request_id": "r1", ...}`.
+Decoding is strict: an unknown tag, an unknown field, a missing required field or a wrong
+type is refused.
 Payloads above `MAX_CLIENT_FRAME_BYTES` are refused. A client may keep many requests in
 flight on one socket; every engine frame names the client's `request_id`.
 

@@ -70,33 +70,58 @@ def validate_params(p: GenerationParams, vocab_size: int | None = None) -> None:
             raise InvalidParams(field, why)
 
     check(p.max_tokens >= 1, "max_tokens", f"must be >= 1, got {p.max_tokens}")
-    check(0 <= p.min_tokens <= p.max_tokens, "min_tokens",
-          f"must be in [0, max_tokens], got {p.min_tokens}")
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                 "presence_penalty"):
+    check(
+        0 <= p.min_tokens <= p.max_tokens,
+        "min_tokens",
+        f"must be in [0, max_tokens], got {p.min_tokens}",
+    )
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    ):
         check(math.isfinite(getattr(p, name)), name, "must be a finite number")
-    check(0.0 <= p.temperature <= MAX_TEMPERATURE, "temperature",
-          f"must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {p.temperature}")
+    check(
+        0.0 <= p.temperature <= MAX_TEMPERATURE,
+        "temperature",
+        f"must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {p.temperature}",
+    )
     check(0.0 < p.top_p <= 1.0, "top_p", f"must be in (0, 1], got {p.top_p}")
     check(p.top_k >= -1, "top_k", f"must be -1 or 0 (off) or >= 1, got {p.top_k}")
     check(0.0 <= p.min_p <= 1.0, "min_p", f"must be in [0, 1], got {p.min_p}")
-    check(0.0 < p.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
-          f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {p.repetition_penalty}")
+    check(
+        0.0 < p.repetition_penalty <= MAX_REPETITION_PENALTY,
+        "repetition_penalty",
+        f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {p.repetition_penalty}",
+    )
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(p, name)
-        check(-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY, name,
-              f"must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value}")
-    check(p.seed is None or 0 <= p.seed < SEED_LIMIT, "seed",
-          f"must be in [0, 2^63), got {p.seed}")
-    check(0 <= p.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
-          f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
-    check(p.top_logprobs == 0 or p.logprobs, "top_logprobs",
-          "top_logprobs > 0 requires logprobs")
+        check(
+            -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY,
+            name,
+            f"must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value}",
+        )
+    check(p.seed is None or 0 <= p.seed < SEED_LIMIT, "seed", f"must be in [0, 2^63), got {p.seed}")
+    check(
+        0 <= p.top_logprobs <= MAX_TOP_LOGPROBS,
+        "top_logprobs",
+        f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}",
+    )
+    check(p.top_logprobs == 0 or p.logprobs, "top_logprobs", "top_logprobs > 0 requires logprobs")
     check(len(p.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
     for s in p.stop:
-        check(0 < len(s) <= MAX_STOP_STRING_CHARS, "stop",
-              f"stop strings must have 1..{MAX_STOP_STRING_CHARS} characters")
+        check(
+            0 < len(s) <= MAX_STOP_STRING_CHARS,
+            "stop",
+            f"stop strings must have 1..{MAX_STOP_STRING_CHARS} characters",
+        )
     if vocab_size is not None:
         for t in p.stop_token_ids:
-            check(0 <= t < vocab_size, "stop_token_ids",
-                  f"token id {t} outside the vocabulary [0, {vocab_size})")
+            check(
+                0 <= t < vocab_size,
+                "stop_token_ids",
+                f"token id {t} outside the vocabulary [0, {vocab_size})",
+            )

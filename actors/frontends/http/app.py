@@ -215,9 +215,7 @@ class GatewayApp:
                 # A client waiting for `100 Continue` has sent nothing: refuse, then close.
                 waits = _header(scope, b"expect") == b"100-continue"
                 drained = (
-                    not waits
-                    and int(declared) <= DRAIN_LIMIT_BYTES
-                    and await _drain(receive, 0)
+                    not waits and int(declared) <= DRAIN_LIMIT_BYTES and await _drain(receive, 0)
                 )
                 raise self._too_large(drained)
         parts: list[bytes] = []
@@ -255,8 +253,9 @@ class GatewayApp:
     # ---- endpoints ---------------------------------------------------------------------------
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        req: CompletionRequest = self._decode(await self._read_body(scope, receive),
-                                              CompletionRequest)
+        req: CompletionRequest = self._decode(
+            await self._read_body(scope, receive), CompletionRequest
+        )
         check_model(req.model, self.model_name)
         include_usage = _include_usage(req)
         jobs = completion_jobs(req)
@@ -264,8 +263,9 @@ class GatewayApp:
         await self._generate(receive, send, jobs, renderer, bool(req.stream), include_usage)
 
     async def _chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        req: ChatCompletionRequest = self._decode(await self._read_body(scope, receive),
-                                                  ChatCompletionRequest)
+        req: ChatCompletionRequest = self._decode(
+            await self._read_body(scope, receive), ChatCompletionRequest
+        )
         check_model(req.model, self.model_name)
         include_usage = _include_usage(req)
         jobs = chat_jobs(req, self.context_len)
@@ -330,8 +330,9 @@ class GatewayApp:
                     early.append(event)
             if outcome.error is None:
                 if stream:
-                    await self._stream(send, rx, early, jobs, states, renderer, include_usage,
-                                       started, outcome)
+                    await self._stream(
+                        send, rx, early, jobs, states, renderer, include_usage, started, outcome
+                    )
                 else:
                     await self._respond(send, rx, early, jobs, states, renderer, started, outcome)
             tg.cancel_scope.cancel()
@@ -357,12 +358,14 @@ class GatewayApp:
             except GenerationError as exc:
                 _post(tx, _Event(job.index, _ERROR, error=from_generation_error(exc)))
             except (TimeoutError, ChannelClosed) as exc:
-                error = ApiError(503, f"engine unavailable: {type(exc).__name__}: {exc}",
-                                 type=UNAVAILABLE)
+                error = ApiError(
+                    503, f"engine unavailable: {type(exc).__name__}: {exc}", type=UNAVAILABLE
+                )
                 _post(tx, _Event(job.index, _ERROR, error=error))
             except Exception as exc:
-                error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                 type=SERVER_ERROR)
+                error = ApiError(
+                    500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER_ERROR
+                )
                 _post(tx, _Event(job.index, _ERROR, error=error))
 
     def _record(self, event: _Event, states: list[ChoiceState], started: float) -> int:
@@ -381,7 +384,9 @@ class GatewayApp:
         offset = state.add(chunk)
         if chunk.finish_reason is not None:
             self.metrics.count_finished(
-                chunk.finish_reason, chunk.prompt_tokens, chunk.completion_tokens,
+                chunk.finish_reason,
+                chunk.prompt_tokens,
+                chunk.completion_tokens,
                 chunk.cached_tokens,
             )
         return offset
@@ -431,8 +436,9 @@ class GatewayApp:
             # Write every event already queued in one send (one syscall per batch of chunks).
             if not queue:
                 if out:
-                    await send({"type": "http.response.body", "body": b"".join(out),
-                                "more_body": True})
+                    await send(
+                        {"type": "http.response.body", "body": b"".join(out), "more_body": True}
+                    )
                     out.clear()
                 queue.append(await _next_event(rx))
                 while True:
@@ -467,8 +473,7 @@ async def _next_event(rx: MemoryObjectReceiveStream[_Event]) -> _Event:
         return await rx.receive()
     except anyio.EndOfStream:
         # Every choice's task ended without finishing: the engine went away.
-        error = ApiError(503, "the engine ended the request without finishing it",
-                         type=UNAVAILABLE)
+        error = ApiError(503, "the engine ended the request without finishing it", type=UNAVAILABLE)
         return _Event(-1, _ERROR, error=error)
 
 
@@ -505,6 +510,7 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 def _include_usage(req: SamplingRequest) -> bool:
     if req.stream_options is not None and not req.stream:
-        raise ApiError(400, "stream_options is only allowed when stream is true",
-                       param="stream_options")
+        raise ApiError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)

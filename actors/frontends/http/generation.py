@@ -104,8 +104,12 @@ def check_model(requested: str | None, served: str) -> None:
 
 
 def _params(
-    req: SamplingRequest, *, default_max_tokens: int, max_tokens: int | None,
-    logprobs: bool, top_logprobs: int,
+    req: SamplingRequest,
+    *,
+    default_max_tokens: int,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int,
 ) -> GenerationParams:
     if req.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
@@ -142,8 +146,9 @@ def _expand(prompts: list[dict[str, Any]], n: int, params: GenerationParams) -> 
             seeded = params
             if params.seed is not None and i:
                 seeded = _with_seed(params, params.seed + i)
-            jobs.append(Job(index=p_index * n + i, prompt_index=p_index, prompt=prompt,
-                            params=seeded))
+            jobs.append(
+                Job(index=p_index * n + i, prompt_index=p_index, prompt=prompt, params=seeded)
+            )
     return jobs
 
 
@@ -205,8 +210,8 @@ def chat_jobs(req: ChatCompletionRequest, context_len: int) -> list[Job]:
         if isinstance(content, list):
             content = [{"type": "text", "text": part.text} for part in content]
         messages.append(ChatMessage(role=m.role, content=content, name=m.name))
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else (
-        req.max_tokens
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
     )
     params = _params(
         req,
@@ -342,8 +347,9 @@ class ChatRenderer:
 
     def opening(self, index: int) -> ChatCompletionChunk:
         """The first event of each choice: the assistant role, no content yet."""
-        return self._chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant",
-                                                                        content="")))
+        return self._chunk(
+            ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+        )
 
     def delta(self, index: int, chunk: OutputChunk, text_offset: int) -> ChatCompletionChunk | None:
         if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
@@ -351,8 +357,9 @@ class ChatRenderer:
         lps = chat_logprobs(list(chunk.logprobs)) if self.want_logprobs else None
         delta = ChatDelta(content=chunk.text) if chunk.text else ChatDelta()
         return self._chunk(
-            ChatChunkChoice(index=index, delta=delta, logprobs=lps,
-                            finish_reason=chunk.finish_reason)
+            ChatChunkChoice(
+                index=index, delta=delta, logprobs=lps, finish_reason=chunk.finish_reason
+            )
         )
 
     def usage_event(self, usage: Usage) -> ChatCompletionChunk:
