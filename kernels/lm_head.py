@@ -11,11 +11,10 @@ Backends (all take a contiguous [N, H] input in the weight's dtype):
   (``torch.ops.mkldnn._reorder_linear_weight``). Costs one extra copy of the weight.
 - ``numpy``:  OpenBLAS sgemm through numpy on a zero-copy view of the weight (fp32 only).
 
-Measured on the 2-core AMD EPYC dev box (see ``python -m actors.bench.lm_head``), fp32,
-V=262144, H=640, ms per call: aten 55 / 100-330 / 160-550, onednn 21 / 22 / 65,
-numpy 23 / 80-160 / 120-380 for N = 1 / 8 / 32. oneDNN wins at every N, so ``backend="auto"``
-uses it whenever it is available (a fixed plan, so logits are bit-identical across restarts);
-``backend="calibrate"`` times every backend at construction and picks the fastest per bucket.
+``bin/engine bench lm_head`` times every backend at N = 1 / 8 / 32 on the machine at hand.
+``backend="auto"`` uses oneDNN whenever it is available (a fixed plan, so logits are
+bit-identical across restarts); ``backend="calibrate"`` times every backend at construction
+and picks the fastest per bucket.
 
 Weights on another device (CUDA) use ``aten`` only (cuBLAS is fine there); fp16 is accepted
 there too.
