@@ -1,7 +1,7 @@
 """Batched per-request token sampling.
 
 Owns the step from float32 logits [B, V] to one token per request, with each request's own
-parameters (``SamplingKnobs``) and state (seeded generator, penalty counts). Semantics follow
+parameters (``RowParams``) and state (seeded generator, penalty counts). Semantics follow
 vLLM/OpenAI:
 
 1. penalties (in place on ``logits``): repetition_penalty over prompt + output tokens (divide a
@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,27 +51,11 @@ TOP_P_FIRST_CANDIDATES = 256
 SUBNORMAL_LOG_FLOOR = -87.0
 
 
-class SamplingKnobs(Protocol):
-    """What the sampler reads of a request's parameters (the engine's `GenerationParams`).
-
-    The sampler trusts them: validation happens once, where requests enter the engine.
-    """
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int | None
-    repetition_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
-    logprobs: bool
-    top_logprobs: int
-
-
 @dataclass(frozen=True, slots=True)
 class RowParams:
-    """The sampler's per-request form of the parameters, derived once at registration."""
+    """The sampler's per-request form of a request's parameters, derived once when it is
+    registered from the engine's `GenerationParams` (or any object with these attributes).
+    The sampler trusts them: validation happens once, where requests enter the engine."""
 
     temperature: float
     top_k: int
@@ -85,7 +69,7 @@ class RowParams:
     top_logprobs: int
 
     @classmethod
-    def of(cls, p: SamplingKnobs) -> RowParams:
+    def of(cls, p: Any) -> RowParams:
         return cls(
             temperature=float(p.temperature),
             top_k=int(p.top_k),
@@ -220,7 +204,7 @@ class Sampler:
     def __contains__(self, rid: int) -> bool:
         return rid in self._states
 
-    def add_request(self, rid: int, params: SamplingKnobs, prompt_ids: list[int]) -> None:
+    def add_request(self, rid: int, params: Any, prompt_ids: list[int]) -> None:
         """Register `rid` with its (already validated) parameters."""
         if rid in self._states:
             raise ValueError(f"request {rid} is already registered with the sampler")
