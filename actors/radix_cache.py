@@ -21,6 +21,8 @@ from transport.messages.radix import (
     MatchReply,
     PeekPrefix,
     PeekReply,
+    TreeSnapshotReply,
+    TreeSnapshotRequest,
     TreeStats,
     TreeStatsRequest,
     UnlockNode,
@@ -28,7 +30,15 @@ from transport.messages.radix import (
 
 
 class RadixCacheActor(Actor):
-    inbox = MatchAndLock | InsertPrefix | UnlockNode | EvictPages | PeekPrefix | TreeStatsRequest
+    inbox = (
+        MatchAndLock
+        | InsertPrefix
+        | UnlockNode
+        | EvictPages
+        | PeekPrefix
+        | TreeStatsRequest
+        | TreeSnapshotRequest
+    )
 
     def __init__(self, page_size: int) -> None:
         self.tree = RadixTree(page_size)
@@ -61,6 +71,17 @@ class RadixCacheActor(Actor):
                 protected_tokens=tree.protected_size,
                 nodes=tree.num_nodes,
                 pages=tree.owned_pages().tolist() if msg.with_pages else [],
+            )
+        if isinstance(msg, TreeSnapshotRequest):
+            snap = tree.snapshot()
+            return TreeSnapshotReply(
+                ids=snap.ids,
+                parents=snap.parents,
+                keys=[k.tolist() for k in snap.keys],
+                values=[v.tolist() for v in snap.values],
+                lock_refs=snap.lock_refs,
+                evictable_tokens=snap.evictable_size,
+                protected_tokens=snap.protected_size,
             )
         raise TypeError(f"unexpected message {type(msg).__name__}")
 

@@ -5,9 +5,9 @@ record (`ReqKvInfo`), the page pool, the req-to-token table, the radix
 (prefix) tree, and the invariant checker that audits them together.
 """
 
-from kvcore.invariants import InvariantViolation, KvSnapshot, check_invariants
+from kvcore.invariants import InvariantViolation, KvSnapshot, check_idle, check_invariants
 from kvcore.page_pool import PageDoubleFree, PageNotOwned, PagePool, PoolError
-from kvcore.radix_tree import MatchResult, RadixTree
+from kvcore.radix_tree import MatchResult, RadixTree, TreeSnapshot
 from kvcore.req_kv_info import ReqKvInfo
 from kvcore.req_to_token import ReqToTokenTable, RowError
 from kvcore.slots import ceil_page, floor_page, pages_of_slots, slots_of_pages
@@ -24,7 +24,9 @@ __all__ = [
     "ReqKvInfo",
     "ReqToTokenTable",
     "RowError",
+    "TreeSnapshot",
     "ceil_page",
+    "check_idle",
     "check_invariants",
     "floor_page",
     "pages_of_slots",

@@ -1,26 +1,38 @@
 """The invariant checker: audits the allocator's whole state at once (DESIGN.md 1-4).
 
-1. Per record: 0 <= cache_protected_len <= kv_committed_len <= kv_allocated_len <= row
-   capacity; cache_protected_len is page-aligned.
-2. Release points: `not is_held == is_released` (checked for every record, since the
-   checker runs between operations, where every record is at a release point).
-3. Conservation: free + tree + live requests + session slots == total pages; no page is
-   owned twice; no owned page is on the free list.
-4. A holder owns row[cache_protected_len : kv_allocated_len) (whole pages); row[0 :
-   cache_protected_len) lies in pages the tree owns.
+It must be exact: a false positive would stop a healthy engine, a blind spot lets a real
+leak through. Checked, for every holder (a live request or a session slot) with row R:
 
-Failures raise `InvariantViolation` naming the request and the pages.
+1. Order: 0 <= cache_protected_len <= kv_committed_len <= kv_allocated_len <= row capacity;
+   cache_protected_len is page-aligned; `not is_held == is_released` (the checker runs
+   between operations, where every record is at a release point).
+2. Layout: the slot of every position p < kv_allocated_len lies at in-page offset
+   p % page_size, every logical page of the row (positions [k*ps, (k+1)*ps)) lies on one
+   physical page, never the padding page 0, and no two logical pages share one.
+3. The protected prefix R[0 : cache_protected_len) is exactly the slot path, in the prefix
+   tree, of the node the holder locks (so it is tree KV of the holder's own lock, not of
+   other tokens); a holder with a protected prefix holds such a lock.
+4. The tree: every node holds whole pages, each at offsets 0..ps-1; each node's lock_ref
+   equals the number of live locks at or below it; protected_size / evictable_size equal
+   the sizes of the locked / unlocked nodes.
+5. Conservation: free + tree + requests + sessions == total pages, counted page by page
+   with no de-duplication inside an owner, so a page owned twice (even by one owner) or
+   lost is named.
+
+Failures raise `InvariantViolation` naming the owner and the pages. `check_idle` is the
+cheap check for an idle engine (counts only).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvcore.radix_tree import RadixTree, TreeSnapshot
 from kvcore.req_kv_info import ReqKvInfo
-from kvcore.slots import pages_of_slots
 
 
 class InvariantViolation(AssertionError):
@@ -32,36 +44,47 @@ class KvSnapshot:
     page_size: int
     total_pages: int
     free_pages: np.ndarray
-    tree_pages: np.ndarray
     table: np.ndarray  # req-to-token rows, indexed by req_pool_idx
     held_rows: np.ndarray  # rows the table marks as handed out
     records: Mapping[object, ReqKvInfo]  # live requests, by request id
+    tree: TreeSnapshot | None = None  # None: prefix caching off
+    lock_nodes: Mapping[object, int] = field(default_factory=dict)  # request id -> locked node
     session_records: Mapping[object, ReqKvInfo] = field(default_factory=dict)
+    session_lock_nodes: Mapping[object, int] = field(default_factory=dict)
+
+
+def row_pages(rec: ReqKvInfo, table: np.ndarray, page_size: int, start: int) -> np.ndarray:
+    """Physical page of every logical page of a held row from position `start` (a page
+    boundary) to kv_allocated_len, one entry per logical page."""
+    if rec.req_pool_idx is None or rec.kv_allocated_len <= start:
+        return np.zeros(0, dtype=np.int64)
+    slots = table[rec.req_pool_idx, start : rec.kv_allocated_len : page_size]
+    return np.asarray(slots, dtype=np.int64) // page_size
 
 
 def owned_pages(rec: ReqKvInfo, table: np.ndarray, page_size: int) -> np.ndarray:
     """Pages a held record owns itself: those of row[cache_protected_len : kv_allocated_len)."""
-    if rec.req_pool_idx is None:
-        return np.zeros(0, dtype=np.int64)
-    row = table[rec.req_pool_idx]
-    return pages_of_slots(row[rec.cache_protected_len : rec.kv_allocated_len], page_size)
+    return row_pages(rec, table, page_size, rec.cache_protected_len)
 
 
 def check_invariants(snap: KvSnapshot) -> None:
     ps = snap.page_size
     capacity = snap.table.shape[1]
-    tree = np.asarray(snap.tree_pages, dtype=np.int64)
-    free = np.asarray(snap.free_pages, dtype=np.int64)
-    owners: dict[str, np.ndarray] = {"free list": free, "prefix tree": tree}
+    owners: dict[str, np.ndarray] = {"free list": np.asarray(snap.free_pages, dtype=np.int64)}
+    tree_path = _check_tree(snap, owners)
     rows_seen: dict[int, str] = {}
-    tree_set = set(tree.tolist())
     held_rows = set(np.asarray(snap.held_rows).tolist())
 
-    holders = [(f"request {rid!r}", r) for rid, r in snap.records.items()]
-    holders += [(f"session {sid!r}", r) for sid, r in snap.session_records.items()]
-    for who, rec in holders:
+    holders = [(f"request {rid!r}", r, snap.lock_nodes.get(rid)) for rid, r in snap.records.items()]
+    holders += [
+        (f"session {sid!r}", r, snap.session_lock_nodes.get(sid))
+        for sid, r in snap.session_records.items()
+    ]
+    for who, rec, lock in holders:
         _check_record(who, rec, capacity, ps)
         if rec.req_pool_idx is None:
+            if lock is not None:
+                raise InvariantViolation(f"{who} holds no row but still locks tree node {lock}")
             continue
         row = rec.req_pool_idx
         if row in rows_seen:
@@ -69,37 +92,31 @@ def check_invariants(snap: KvSnapshot) -> None:
         rows_seen[row] = who
         if row not in held_rows:
             raise InvariantViolation(f"{who} holds row {row}, which the table marks free")
-        prefix_pages = pages_of_slots(snap.table[row, : rec.cache_protected_len], ps)
-        outside = [p for p in prefix_pages.tolist() if p not in tree_set]
-        if outside:
-            raise InvariantViolation(
-                f"{who}: protected prefix [0, {rec.cache_protected_len}) uses pages {outside[:8]} "
-                "that the prefix tree does not own"
-            )
+        _check_layout(who, snap.table[row, : rec.kv_allocated_len], ps)
+        _check_protected(who, rec, lock, snap, tree_path)
         owners[who] = owned_pages(rec, snap.table, ps)
 
     stray_rows = sorted(held_rows - set(rows_seen))
     if stray_rows:
         raise InvariantViolation(f"rows {stray_rows[:8]} are held by no request or session")
+    _check_tree_locks(snap)
+    _check_conservation(snap, owners)
 
-    seen: dict[int, str] = {}
-    total = 0
-    for who, pages in owners.items():
-        total += len(pages)
-        for p in pages.tolist():
-            if p < 1 or p > snap.total_pages:
-                raise InvariantViolation(f"{who} owns page {p}, outside 1..{snap.total_pages}")
-            other = seen.get(p)
-            if other is not None:
-                raise InvariantViolation(f"page {p} is owned by both {other} and {who}")
-            seen[p] = who
-    if total != snap.total_pages:
-        counts = {who: len(pages) for who, pages in owners.items()}
-        missing = sorted(set(range(1, snap.total_pages + 1)) - set(seen))
-        raise InvariantViolation(
-            f"conservation broken: {counts} sum to {total}, total is {snap.total_pages}; "
-            f"leaked pages {missing[:16]}"
-        )
+
+def check_idle(
+    *, free: int, tree_pages: int, total: int, records: int, held_rows: int, locked_tokens: int
+) -> list[str]:
+    """The cheap check of an idle engine: what is wrong, or [] (counts only, no walk)."""
+    problems = []
+    if records:
+        problems.append(f"{records} request records left")
+    if held_rows:
+        problems.append(f"{held_rows} rows still held")
+    if locked_tokens:
+        problems.append(f"{locked_tokens} tree tokens still locked")
+    if free + tree_pages != total:
+        problems.append(f"free {free} + tree {tree_pages} != total {total} pages")
+    return problems
 
 
 def _check_record(who: str, rec: ReqKvInfo, capacity: int, ps: int) -> None:
@@ -114,5 +131,143 @@ def _check_record(who: str, rec: ReqKvInfo, capacity: int, ps: int) -> None:
         raise InvariantViolation(
             f"{who}: is_held={rec.is_held} but is_released={rec.is_released} ({rec})"
         )
-    if not (0 <= rec.swa_evicted_seqlen <= max(a, 0)) and rec.is_held:
+    if rec.is_held and not (0 <= rec.swa_evicted_seqlen <= a):
         raise InvariantViolation(f"{who}: swa_evicted_seqlen {rec.swa_evicted_seqlen} > {a}")
+
+
+def _check_layout(who: str, slots: np.ndarray, ps: int) -> None:
+    """Position p sits at offset p % ps, one physical page per logical page, none on page 0."""
+    slots = np.asarray(slots, dtype=np.int64)
+    if slots.size == 0:
+        return
+    positions = np.arange(slots.size)
+    off = np.nonzero(slots % ps != positions % ps)[0]
+    if off.size:
+        p = int(off[0])
+        raise InvariantViolation(
+            f"{who}: position {p} is at slot {int(slots[p])}, in-page offset {int(slots[p]) % ps} "
+            f"instead of {p % ps}"
+        )
+    pages = slots // ps
+    split = np.nonzero(pages != pages[positions - positions % ps])[0]
+    if split.size:
+        p = int(split[0])
+        raise InvariantViolation(
+            f"{who}: logical page {p // ps} spans physical pages "
+            f"{int(pages[p - p % ps])} and {int(pages[p])}"
+        )
+    if (pages < 1).any():
+        p = int(np.nonzero(pages < 1)[0][0])
+        raise InvariantViolation(f"{who}: position {p} points into the padding page 0")
+
+
+def _check_protected(
+    who: str, rec: ReqKvInfo, lock: int | None, snap: KvSnapshot, tree_path
+) -> None:
+    protected = rec.cache_protected_len
+    if protected == 0:
+        if lock is not None and snap.tree is not None:
+            path = tree_path(lock)
+            if path is not None and path.size:
+                raise InvariantViolation(f"{who} locks tree node {lock} but protects no prefix")
+        return
+    if snap.tree is None:
+        raise InvariantViolation(f"{who}: protected prefix {protected} with prefix caching off")
+    if lock is None:
+        raise InvariantViolation(
+            f"{who}: protected prefix [0, {protected}) but the request locks no tree node"
+        )
+    path = tree_path(lock)
+    if path is None:
+        raise InvariantViolation(f"{who} locks tree node {lock}, which is not in the tree")
+    row = snap.table[rec.req_pool_idx, :protected]
+    if path.size != protected or not np.array_equal(path, row):
+        differ = np.nonzero(path[: min(path.size, protected)] != row[: path.size])[0]
+        at = int(differ[0]) if differ.size else min(path.size, protected)
+        raise InvariantViolation(
+            f"{who}: protected prefix [0, {protected}) is not the slot path of its locked node "
+            f"{lock} ({path.size} tokens; first difference at position {at})"
+        )
+
+
+def _check_tree(snap: KvSnapshot, owners: dict[str, np.ndarray]):
+    """Check the tree's pages; returns node_id -> its root path slots (None: no such node)."""
+    tree = snap.tree
+    if tree is None:
+        return lambda node_id: None
+    ps = snap.page_size
+    index = {nid: i for i, nid in enumerate(tree.ids)}
+    pages: list[np.ndarray] = []
+    for i, nid in enumerate(tree.ids):
+        value = np.asarray(tree.values[i], dtype=np.int64)
+        if value.size != len(tree.keys[i]) or value.size % ps:
+            raise InvariantViolation(
+                f"tree node {nid}: {value.size} slots for {len(tree.keys[i])} tokens "
+                f"(page size {ps})"
+            )
+        _check_layout(f"tree node {nid}", value, ps)
+        pages.append(value[::ps] // ps)
+    owners["prefix tree"] = np.concatenate(pages) if pages else np.zeros(0, dtype=np.int64)
+
+    def path_of(node_id: int) -> np.ndarray | None:
+        if node_id != RadixTree.ROOT_ID and node_id not in index:
+            return None
+        return tree.path_slots(node_id)
+
+    return path_of
+
+
+def _check_tree_locks(snap: KvSnapshot) -> None:
+    """Each node's lock_ref is the number of live locks at or below it, and the tree's sizes
+    follow from them."""
+    tree = snap.tree
+    if tree is None:
+        return
+    index = {nid: i for i, nid in enumerate(tree.ids)}
+    # Expected lock_ref of a node: the live locks at or below it.
+    expected: Counter[int] = Counter()
+    locks = [*snap.lock_nodes.items(), *snap.session_lock_nodes.items()]
+    for who, node in locks:
+        if node != RadixTree.ROOT_ID and node not in index:
+            raise InvariantViolation(f"{who!r} locks tree node {node}, which is not in the tree")
+        while node != RadixTree.ROOT_ID:
+            expected[node] += 1
+            node = tree.parents[index[node]]
+    protected = 0
+    for i, nid in enumerate(tree.ids):
+        if tree.lock_refs[i] != expected[nid]:
+            raise InvariantViolation(
+                f"tree node {nid}: lock_ref {tree.lock_refs[i]} but {expected[nid]} live locks "
+                "at or below it"
+            )
+        if expected[nid]:
+            protected += len(tree.keys[i])
+    total = sum(len(k) for k in tree.keys)
+    if tree.protected_size != protected or tree.evictable_size != total - protected:
+        raise InvariantViolation(
+            f"tree sizes protected {tree.protected_size} / evictable {tree.evictable_size} "
+            f"disagree with the live locks ({protected} / {total - protected})"
+        )
+
+
+def _check_conservation(snap: KvSnapshot, owners: dict[str, np.ndarray]) -> None:
+    seen: dict[int, str] = {}
+    total = 0
+    for who, pages in owners.items():
+        total += len(pages)
+        for p in pages.tolist():
+            if p < 1 or p > snap.total_pages:
+                raise InvariantViolation(f"{who} owns page {p}, outside 1..{snap.total_pages}")
+            other = seen.get(p)
+            if other is not None:
+                if other == who:
+                    raise InvariantViolation(f"page {p} is owned twice by {who}")
+                raise InvariantViolation(f"page {p} is owned by both {other} and {who}")
+            seen[p] = who
+    if total != snap.total_pages:
+        counts = {who: len(pages) for who, pages in owners.items()}
+        missing = sorted(set(range(1, snap.total_pages + 1)) - set(seen))
+        raise InvariantViolation(
+            f"conservation broken: {counts} sum to {total}, total is {snap.total_pages}; "
+            f"leaked pages {missing[:16]}"
+        )

@@ -55,6 +55,34 @@ class InsertResult:
     slots: np.ndarray  # the tree's slots for the whole inserted key (old ones where it existed)
 
 
+@dataclass(frozen=True, slots=True)
+class TreeSnapshot:
+    """The tree's structure as plain arrays, for the invariant checker.
+
+    Node i (in these lists) has id `ids[i]`, parent id `parents[i]` (the root, id 0, is not
+    listed), its own tokens `keys[i]` and their slots `values[i]`, and `lock_refs[i]`.
+    """
+
+    page_size: int
+    ids: list[int]
+    parents: list[int]
+    keys: list[np.ndarray]
+    values: list[np.ndarray]
+    lock_refs: list[int]
+    evictable_size: int
+    protected_size: int
+
+    def path_slots(self, node_id: int) -> np.ndarray:
+        """Slots of every token from the root down to `node_id` (empty for the root)."""
+        index = {nid: i for i, nid in enumerate(self.ids)}
+        parts = []
+        while node_id != RadixTree.ROOT_ID:
+            i = index[node_id]
+            parts.append(self.values[i])
+            node_id = self.parents[i]
+        return np.concatenate(parts[::-1]) if parts else _EMPTY.copy()
+
+
 class RadixTree:
     ROOT_ID = 0
 
@@ -91,6 +119,19 @@ class RadixTree:
 
     def owned_pages(self) -> np.ndarray:
         return pages_of_slots(self.owned_slots(), self.page_size)
+
+    def snapshot(self) -> TreeSnapshot:
+        nodes = [n for n in self._nodes.values() if n is not self._root]
+        return TreeSnapshot(
+            page_size=self.page_size,
+            ids=[n.id for n in nodes],
+            parents=[n.parent.id for n in nodes],
+            keys=[n.key.copy() for n in nodes],
+            values=[n.value.copy() for n in nodes],
+            lock_refs=[n.lock_ref for n in nodes],
+            evictable_size=self.evictable_size,
+            protected_size=self.protected_size,
+        )
 
     def locked_node_ids(self) -> list[int]:
         return [i for i, n in self._nodes.items() if n.lock_ref > 0 and i != self.ROOT_ID]

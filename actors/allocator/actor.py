@@ -13,7 +13,7 @@ import numpy as np
 from actors.allocator.ledger import KvLedger, SlotDelta
 from actors.allocator.remote_port import RemotePrefixPort
 from actors.runtime import Actor
-from kvcore import PagePool, ReqToTokenTable
+from kvcore import InvariantViolation, PagePool, ReqToTokenTable
 from transport.messages.alloc import (
     AllocDecode,
     AllocDecodeReply,
@@ -22,6 +22,8 @@ from transport.messages.alloc import (
     CacheUnfinished,
     CacheUnfinishedReply,
     ExtendGrantItem,
+    IdleCheck,
+    IdleCheckReply,
     KvStats,
     KvStatsRequest,
     ReleaseBatch,
@@ -42,7 +44,7 @@ def pack_deltas(deltas: list[SlotDelta]) -> SlotDeltas:
 
 
 class AllocatorActor(Actor):
-    inbox = AllocExtend | AllocDecode | CacheUnfinished | ReleaseBatch | KvStatsRequest
+    inbox = AllocExtend | AllocDecode | CacheUnfinished | ReleaseBatch | IdleCheck | KvStatsRequest
 
     def __init__(
         self,
@@ -59,51 +61,38 @@ class AllocatorActor(Actor):
         self.debug_checks = debug_checks
         self.ledger: KvLedger | None = None
         self.port: RemotePrefixPort | None = None
+        self.idle_checks = 0
+        self.idle_check_failures = 0
 
     async def on_start(self) -> None:
-        self.port = RemotePrefixPort(self.ref(self.radix_name)) if self.radix_name else None
+        self.port = (
+            RemotePrefixPort(self.ref(self.radix_name), self.pool.page_size)
+            if self.radix_name
+            else None
+        )
         self.ledger = KvLedger(self.pool, self.table, self.port)
 
     async def handle(self, msg, sender):
+        # Every batched message is all or nothing: its items are checked before any is
+        # applied, so a bad item (LedgerError) leaves the whole message undone.
         ledger = self.ledger
         if isinstance(msg, AllocDecode):
             deltas: list[SlotDelta] = []
             short = await ledger.alloc_decode(list(msg.rids), deltas)
             reply = AllocDecodeReply(short_pages=short, deltas=pack_deltas(deltas))
         elif isinstance(msg, AllocExtend):
-            deltas = []
-            grants = []
-            for item in msg.items:
-                toks = np.asarray(item.tokens, dtype=np.int64)
-                g = await ledger.alloc_extend(item.rid, toks, item.budget, deltas)
-                if g is None:
-                    grants.append(
-                        ExtendGrantItem(rid=item.rid, row=-1, cached_len=0, start=0, end=0)
-                    )
-                else:
-                    grants.append(
-                        ExtendGrantItem(
-                            rid=g.rid, row=g.row, cached_len=g.cached_len, start=g.start, end=g.end
-                        )
-                    )
-            reply = AllocExtendReply(grants=grants, deltas=pack_deltas(deltas))
+            reply = await self._extend(msg)
         elif isinstance(msg, CacheUnfinished):
+            ledger.check_held(list(msg.rids))
             deltas = []
             for rid, toks in zip(msg.rids, msg.tokens):
                 await ledger.cache_unfinished(rid, np.asarray(toks, dtype=np.int64), deltas)
             reply = CacheUnfinishedReply(deltas=pack_deltas(deltas))
         elif isinstance(msg, ReleaseBatch):
-            for item in msg.items:
-                toks = np.asarray(item.tokens, dtype=np.int64)
-                if item.kind is ReleaseKind.FINISH:
-                    await ledger.finish(item.rid, toks)
-                    ledger.forget(item.rid)
-                elif item.kind is ReleaseKind.ABORT:
-                    await ledger.abort(item.rid)
-                    ledger.forget(item.rid)
-                else:
-                    await ledger.retract(item.rid, toks)
+            await self._release(msg)
             reply = None
+        elif isinstance(msg, IdleCheck):
+            return await self._idle_check()
         elif isinstance(msg, KvStatsRequest):
             return await self._stats(msg.check_invariants)
         else:
@@ -111,6 +100,56 @@ class AllocatorActor(Actor):
         if self.debug_checks:
             await ledger.check()
         return reply
+
+    async def _extend(self, msg: AllocExtend) -> AllocExtendReply:
+        ledger = self.ledger
+        ledger.check_held([item.rid for item in msg.items], [False] * len(msg.items))
+        for item in msg.items:
+            ledger.check_extend(item.rid, len(item.tokens), item.budget)
+        deltas: list[SlotDelta] = []
+        grants = []
+        for item in msg.items:
+            toks = np.asarray(item.tokens, dtype=np.int64)
+            g = await ledger.alloc_extend(item.rid, toks, item.budget, deltas)
+            if g is None:
+                grants.append(ExtendGrantItem(rid=item.rid, row=-1, cached_len=0, start=0, end=0))
+            else:
+                grants.append(
+                    ExtendGrantItem(
+                        rid=g.rid, row=g.row, cached_len=g.cached_len, start=g.start, end=g.end
+                    )
+                )
+        return AllocExtendReply(grants=grants, deltas=pack_deltas(deltas))
+
+    async def _release(self, msg: ReleaseBatch) -> None:
+        ledger = self.ledger
+        ledger.check_held(
+            [item.rid for item in msg.items],
+            [item.kind is not ReleaseKind.ABORT for item in msg.items],
+        )
+        for item in msg.items:
+            toks = np.asarray(item.tokens, dtype=np.int64)
+            if item.kind is ReleaseKind.FINISH:
+                await ledger.finish(item.rid, toks)
+                ledger.forget(item.rid)
+            elif item.kind is ReleaseKind.ABORT:
+                await ledger.abort(item.rid)
+                ledger.forget(item.rid)
+            else:
+                await ledger.retract(item.rid, toks)
+
+    async def _idle_check(self) -> IdleCheckReply:
+        """Always on (it only counts); with debug checks a failure also raises."""
+        self.idle_checks += 1
+        problems = await self.ledger.idle_problems()
+        if problems:
+            self.idle_check_failures += 1
+            self.log.error("KV not balanced at idle", problems=problems)
+            if self.debug_checks:
+                raise InvariantViolation("KV not balanced at idle: " + "; ".join(problems))
+        elif self.debug_checks:
+            await self.ledger.check()
+        return IdleCheckReply(problems=problems)
 
     async def _stats(self, check: bool) -> KvStats:
         ledger = self.ledger
@@ -139,6 +178,8 @@ class AllocatorActor(Actor):
             finished=c.finished,
             aborted=c.aborted,
             retracted=c.retracted,
+            idle_checks=self.idle_checks,
+            idle_check_failures=self.idle_check_failures,
         )
 
     def stats(self) -> dict[str, int | float]:

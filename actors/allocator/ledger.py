@@ -28,6 +28,7 @@ from kvcore import (
     ReqKvInfo,
     ReqToTokenTable,
     ceil_page,
+    check_idle,
     check_invariants,
     floor_page,
     pages_of_slots,
@@ -79,12 +80,6 @@ class KvLedger:
         return self.pool.page_size
 
     # ---- lifecycle of the record ---------------------------------------------------------
-    def record(self, rid: int) -> ReqKvInfo:
-        rec = self.records.get(rid)
-        if rec is None:
-            rec = self.records[rid] = ReqKvInfo()
-        return rec
-
     def forget(self, rid: int) -> None:
         """Drop a finished request's record; it must hold nothing."""
         rec = self.records.get(rid)
@@ -103,15 +98,10 @@ class KvLedger:
         least one token to compute), row, slots. Returns None, changing nothing, when pages
         or rows run out even after eviction.
         """
-        if budget < 1:
-            raise LedgerError(f"request {rid}: extend budget must be >= 1")
+        self.check_extend(rid, len(tokens), budget)
         total = len(tokens)
-        if total > self.table.row_capacity:
-            raise LedgerError(f"request {rid}: {total} tokens exceed row capacity")
-        rec = self.record(rid)
-        admitting = not rec.is_held
-        if not admitting and rec.kv_committed_len >= total:
-            raise LedgerError(f"request {rid}: nothing left to extend")
+        rec = self.records.get(rid)
+        admitting = rec is None or not rec.is_held
         cached, node, prefix_slots = 0, None, None
         if admitting:
             if self.table.num_free_rows == 0:
@@ -131,6 +121,9 @@ class KvLedger:
                 await self.tree.unlock(node)
             return None
         if admitting:
+            # The record exists only once the request holds something (a refusal leaves none).
+            if rec is None:
+                rec = self.records[rid] = ReqKvInfo()
             row = self.table.alloc_row()
             assert row is not None  # checked above; only this mailbox allocates rows
             rec.req_pool_idx = row
@@ -148,6 +141,17 @@ class KvLedger:
         rec.kv_committed_len = end
         return ExtendGrant(rid, row, cached, start, end)
 
+    def check_extend(self, rid: int, total: int, budget: int) -> None:
+        """Raise `LedgerError` if an extend of `rid` to `total` tokens is misuse (checked for
+        every item of a message before any is applied)."""
+        if budget < 1:
+            raise LedgerError(f"request {rid}: extend budget must be >= 1")
+        if total > self.table.row_capacity:
+            raise LedgerError(f"request {rid}: {total} tokens exceed row capacity")
+        rec = self.records.get(rid)
+        if rec is not None and rec.is_held and rec.kv_committed_len >= total:
+            raise LedgerError(f"request {rid}: nothing left to extend")
+
     # ---- decode --------------------------------------------------------------------------
     async def alloc_decode(self, rids: list[int], deltas: list[SlotDelta]) -> int:
         """One slot for each request's next token, all or nothing.
@@ -156,13 +160,11 @@ class KvLedger:
         (nothing changed; the scheduler retracts and retries).
         """
         ps = self.page_size
-        recs = [self._held(rid) for rid in rids]
-        for rid, rec in zip(rids, recs):
-            if rec.kv_allocated_len >= self.table.row_capacity:
-                raise LedgerError(f"request {rid}: context full ({rec.kv_allocated_len})")
+        recs = self.check_decode(rids)
         need = sum(1 for rec in recs if rec.kv_allocated_len % ps == 0)
-        if not await self._ensure_free(need):
-            return need - self.pool.num_free
+        short = await self._ensure_free(need)
+        if short:
+            return short
         fresh = self.pool.alloc(need)
         k = 0
         for rec in recs:
@@ -177,6 +179,15 @@ class KvLedger:
             rec.kv_allocated_len = pos + 1
             rec.kv_committed_len = pos + 1
         return 0
+
+    def check_decode(self, rids: list[int]) -> list[ReqKvInfo]:
+        """The held records of `rids`; raises `LedgerError` on misuse, changing nothing."""
+        _require_unique(rids)
+        recs = [self._held(rid) for rid in rids]
+        for rid, rec in zip(rids, recs):
+            if rec.kv_allocated_len >= self.table.row_capacity:
+                raise LedgerError(f"request {rid}: context full ({rec.kv_allocated_len})")
+        return recs
 
     # ---- chunked prefill: cache the finished pages of an unfinished request --------------
     async def cache_unfinished(self, rid: int, tokens: np.ndarray, deltas: list[SlotDelta]) -> None:
@@ -250,23 +261,51 @@ class KvLedger:
         rec.req_pool_idx = None
         rec.mark_released()
 
+    def check_held(self, rids: list[int], need_held: list[bool] | None = None) -> None:
+        """Raise `LedgerError` before a batch is applied if any item would fail: every rid
+        once, and holding KV where `need_held` says so (default: all)."""
+        _require_unique(rids)
+        for i, rid in enumerate(rids):
+            if need_held is None or need_held[i]:
+                self._held(rid)
+
     # ---- audit ---------------------------------------------------------------------------
     async def snapshot(self) -> KvSnapshot:
-        tree_pages = (
-            await self.tree.owned_pages() if self.tree is not None else np.zeros(0, np.int64)
-        )
         return KvSnapshot(
             page_size=self.page_size,
             total_pages=self.pool.num_pages,
             free_pages=self.pool.free_pages(),
-            tree_pages=tree_pages,
+            tree=await self.tree.snapshot() if self.tree is not None else None,
             table=self.table.table,
             held_rows=self.table.held_rows(),
             records=self.records,
+            lock_nodes=self.lock_nodes,
         )
 
     async def check(self) -> None:
         check_invariants(await self.snapshot())
+
+    async def idle_problems(self) -> list[str]:
+        """The cheap conservation check of an idle engine (no request should hold anything):
+        what is wrong, naming the owners, or []."""
+        evictable = protected = 0
+        if self.tree is not None:
+            evictable, protected = await self.tree.sizes()
+        problems = check_idle(
+            free=self.pool.num_free,
+            tree_pages=(evictable + protected) // self.page_size,
+            total=self.pool.num_pages,
+            records=len(self.records),
+            held_rows=len(self.table.held_rows()),
+            locked_tokens=protected,
+        )
+        if problems and self.records:
+            owners = {
+                rid: (rec.req_pool_idx, rec.kv_allocated_len)
+                for rid, rec in list(self.records.items())[:8]
+            }
+            problems.append(f"records (rid: row, allocated): {owners}")
+        return problems
 
     def held_pages(self) -> int:
         """Pages owned by live requests (not the tree's shared prefix pages)."""
@@ -289,14 +328,19 @@ class KvLedger:
             return None
         return int(self.table.table[rec.req_pool_idx, rec.kv_allocated_len - 1])
 
-    async def _ensure_free(self, pages: int) -> bool:
+    async def _ensure_free(self, pages: int) -> int:
+        """Make `pages` free, evicting from the tree if that suffices: 0, or the pages still
+        missing counting every evictable one (then nothing was evicted)."""
         short = pages - self.pool.num_free
-        if short > 0 and self.tree is not None:
-            freed = await self.tree.evict(short)
-            if freed.size:
-                self.pool.free(freed)
-                self.counters.evicted_pages += int(freed.size)
-        return self.pool.num_free >= pages
+        if short <= 0:
+            return 0
+        evictable = await self.tree.evictable_pages() if self.tree is not None else 0
+        if short > evictable:
+            return short - evictable
+        freed = await self.tree.evict(short)
+        self.pool.free(freed)
+        self.counters.evicted_pages += int(freed.size)
+        return max(pages - self.pool.num_free, 0)
 
     async def _reserve_slots(
         self, start: int, end: int, last_slot: int | None
@@ -309,7 +353,7 @@ class KvLedger:
         if start % ps and last_slot is not None:
             in_open_page = min(n, ps - start % ps)
         need_pages = ceil_page(n - in_open_page, ps) // ps
-        if not await self._ensure_free(need_pages):
+        if await self._ensure_free(need_pages):
             return None
         pages = self.pool.alloc(need_pages)
         rest = slots_of_pages(pages, ps)[: n - in_open_page]
@@ -317,3 +361,10 @@ class KvLedger:
             return rest
         head = np.arange(last_slot + 1, last_slot + 1 + in_open_page, dtype=np.int64)
         return np.concatenate([head, rest])
+
+
+def _require_unique(rids: list[int]) -> None:
+    seen: set[int] = set()
+    twice = sorted({rid for rid in rids if rid in seen or seen.add(rid)})
+    if twice:
+        raise LedgerError(f"requests {twice[:8]} appear twice in one message")

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvcore import MatchResult, RadixTree
+from kvcore import MatchResult, RadixTree, TreeSnapshot
 from kvcore.radix_tree import InsertResult
 
 
@@ -30,6 +30,14 @@ class PrefixPort(Protocol):
     async def evict(self, num_pages: int) -> np.ndarray: ...
 
     async def owned_pages(self) -> np.ndarray: ...
+
+    async def evictable_pages(self) -> int: ...
+
+    async def sizes(self) -> tuple[int, int]:
+        """(evictable tokens, protected tokens)."""
+        ...
+
+    async def snapshot(self) -> TreeSnapshot: ...
 
 
 class LocalPrefixPort:
@@ -54,3 +62,12 @@ class LocalPrefixPort:
 
     async def owned_pages(self) -> np.ndarray:
         return self.tree.owned_pages()
+
+    async def evictable_pages(self) -> int:
+        return self.tree.evictable_size // self.tree.page_size
+
+    async def sizes(self) -> tuple[int, int]:
+        return self.tree.evictable_size, self.tree.protected_size
+
+    async def snapshot(self) -> TreeSnapshot:
+        return self.tree.snapshot()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from actors.runtime import ActorRef
-from kvcore import MatchResult
+from kvcore import MatchResult, TreeSnapshot
 from kvcore.radix_tree import InsertResult
 from transport.messages.radix import (
     EvictPages,
@@ -14,6 +14,8 @@ from transport.messages.radix import (
     InsertReply,
     MatchAndLock,
     MatchReply,
+    TreeSnapshotReply,
+    TreeSnapshotRequest,
     TreeStats,
     TreeStatsRequest,
     UnlockNode,
@@ -21,8 +23,9 @@ from transport.messages.radix import (
 
 
 class RemotePrefixPort:
-    def __init__(self, radix: ActorRef) -> None:
+    def __init__(self, radix: ActorRef, page_size: int) -> None:
         self.radix = radix
+        self.page_size = page_size
 
     async def match_and_lock(self, tokens: np.ndarray) -> MatchResult:
         r = await self.radix.call(MatchAndLock(tokens=tokens.tolist()), expect=MatchReply)
@@ -53,3 +56,23 @@ class RemotePrefixPort:
 
     async def stats(self) -> TreeStats:
         return await self.radix.call(TreeStatsRequest(), expect=TreeStats)
+
+    async def evictable_pages(self) -> int:
+        return (await self.stats()).evictable_tokens // self.page_size
+
+    async def sizes(self) -> tuple[int, int]:
+        s = await self.stats()
+        return s.evictable_tokens, s.protected_tokens
+
+    async def snapshot(self) -> TreeSnapshot:
+        r = await self.radix.call(TreeSnapshotRequest(), expect=TreeSnapshotReply)
+        return TreeSnapshot(
+            page_size=self.page_size,
+            ids=r.ids,
+            parents=r.parents,
+            keys=[np.asarray(k, dtype=np.int64) for k in r.keys],
+            values=[np.asarray(v, dtype=np.int64) for v in r.values],
+            lock_refs=r.lock_refs,
+            evictable_size=r.evictable_tokens,
+            protected_size=r.protected_tokens,
+        )

@@ -1,7 +1,9 @@
 """The scheduler actor: the step loop that turns `SchedulerCore`'s plans into messages.
 
 Each step (continuous batching under a token budget):
-  1. apply pending ends (aborts, stop strings) at this safe point;
+  1. apply pending ends (aborts, stop strings) at this safe point; their KV goes back
+     before anything of this step is allocated (releases are sent ahead of every
+     allocating call, so no "cannot fit" rule fires on pages that are being freed);
   2. decode: every running request gets one slot (`AllocDecode`, all or nothing); on a
      shortfall, retract a victim (its computed prefix goes to the tree) and retry;
   3. prefill: continuing chunks first, then admissions (`KvStatsRequest`, and `PeekPrefix`
@@ -9,6 +11,7 @@ Each step (continuous batching under a token budget):
   4. one `ForwardBatchMsg` to the runner, carrying every slot delta the allocator returned;
   5. one `TokenBatch` to the tokenizer; finished requests released in one `ReleaseBatch`,
      non-final chunks cached in one `CacheUnfinished`.
+When the engine goes idle it asks the allocator for a conservation check (`IdleCheck`).
 A decode step with no admission and no finish costs three messages whatever the batch size:
 AllocDecode (call), ForwardBatchMsg (call), TokenBatch (send).
 """
@@ -17,9 +20,9 @@ from __future__ import annotations
 
 import anyio
 
-from actors.runtime import Actor
+from actors.runtime import Actor, HandledError
 from actors.scheduler.batch import PrefillWork, StepOutbox
-from actors.scheduler.core import SchedulerCore
+from actors.scheduler.core import DuplicateRequest, SchedulerCore
 from actors.scheduler.policy import (
     CutShort,
     NewTokenRatio,
@@ -38,6 +41,8 @@ from transport.messages.alloc import (
     CacheUnfinished,
     CacheUnfinishedReply,
     ExtendItem,
+    IdleCheck,
+    IdleCheckReply,
     KvStats,
     KvStatsRequest,
     ReleaseBatch,
@@ -95,7 +100,10 @@ class SchedulerActor(Actor):
 
     async def handle(self, msg, sender):
         if isinstance(msg, SubmitRequests):
-            self.core.submit(msg.reqs)
+            try:
+                self.core.submit(msg.reqs)
+            except DuplicateRequest as exc:
+                raise HandledError(str(exc)) from None
         elif isinstance(msg, EndRequests):
             self.core.end(msg.rids, msg.reason)
         elif isinstance(msg, SchedulerStatsRequest):
@@ -123,7 +131,9 @@ class SchedulerActor(Actor):
             if not self.core.has_work:
                 self.wake = anyio.Event()
                 self.core.on_idle()
-                await self.wake.wait()
+                await self.alloc.call(IdleCheck(), expect=IdleCheckReply)
+                if not self.core.has_work:
+                    await self.wake.wait()
             progressed = await self.step()
             if not progressed:
                 # Nothing could run (e.g. waiting for KV held by nobody we can retract).
@@ -138,8 +148,9 @@ class SchedulerActor(Actor):
         self.tried_admission = False
         retractions = core.counters.retractions
         core.apply_ends(out)
+        await self._send_releases(out)
         decode = await self._schedule_decode(out)
-        prefill = await self._schedule_prefill(len(decode))
+        prefill = await self._schedule_prefill(len(decode), out)
         if not decode and not prefill:
             action = unstick(core.running, core.prefilling, core.waiting)
             if isinstance(action, Retract):
@@ -165,7 +176,7 @@ class SchedulerActor(Actor):
         await self._flush(out)
         pure = (
             not prefill
-            and not out.releases
+            and not out.released
             and not self.tried_admission
             and retractions == core.counters.retractions
             and not out.any_finish
@@ -180,6 +191,7 @@ class SchedulerActor(Actor):
         core = self.core
         decode = list(core.running)
         while decode:
+            await self._send_releases(out)
             reply = await self._call(
                 self.alloc, AllocDecode(rids=[r.rid for r in decode]), expect=AllocDecodeReply
             )
@@ -201,8 +213,9 @@ class SchedulerActor(Actor):
         await self._call(self.alloc, ReleaseBatch(items=[self.core.retract_item(victim)]))
         self.core.on_retracted(victim)
 
-    async def _schedule_prefill(self, num_decode: int) -> list[PrefillWork]:
+    async def _schedule_prefill(self, num_decode: int, out: StepOutbox) -> list[PrefillWork]:
         core = self.core
+        await self._send_releases(out)
         budget = core.prefill_budget(num_decode)
         if budget <= 0:
             return []
@@ -233,9 +246,13 @@ class SchedulerActor(Actor):
         )
         return core.apply_grants(chunks, reply.grants, reply.deltas)
 
-    async def _flush(self, out: StepOutbox) -> None:
+    async def _send_releases(self, out: StepOutbox) -> None:
+        """Pending releases reach the allocator before the step allocates anything more."""
         if out.releases:
-            await self._call(self.alloc, ReleaseBatch(items=out.releases))
+            await self._call(self.alloc, ReleaseBatch(items=out.take_releases()))
+
+    async def _flush(self, out: StepOutbox) -> None:
+        await self._send_releases(out)
         if out.reports:
             self.step_messages += 1
             await self.tokenizer.send(out.token_batch())

@@ -66,8 +66,14 @@ class Report:
 class StepOutbox:
     """Releases and token reports collected while a step runs."""
 
-    releases: list[ReleaseItem] = field(default_factory=list)
+    releases: list[ReleaseItem] = field(default_factory=list)  # not yet sent
     reports: list[Report] = field(default_factory=list)
+    released: int = 0  # releases already sent this step
+
+    def take_releases(self) -> list[ReleaseItem]:
+        items, self.releases = self.releases, []
+        self.released += len(items)
+        return items
 
     def report(self, req: Req, tokens: Sequence[SampledToken] = (), finish: str = "") -> None:
         self.reports.append(Report(req, tuple(tokens), finish))

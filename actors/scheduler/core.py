@@ -24,6 +24,10 @@ from transport.messages.engine import FinishReason, NewRequest, SchedulerStats
 from transport.messages.runner import ForwardBatchMsg, StepResultMsg
 
 
+class DuplicateRequest(ValueError):
+    """A request id that is already scheduled: it would share the first one's KV."""
+
+
 @dataclass(slots=True)
 class SchedulerCounters:
     decode_steps: int = 0
@@ -58,6 +62,12 @@ class SchedulerCore:
 
     # ---- arrivals and ends ---------------------------------------------------------------
     def submit(self, new: Sequence[NewRequest]) -> None:
+        """Queue new requests; all or none: a rid already scheduled (or twice in `new`)
+        raises `DuplicateRequest` and queues nothing."""
+        rids = [n.rid for n in new]
+        twice = sorted({r for r in rids if r in self.reqs or rids.count(r) > 1})
+        if twice:
+            raise DuplicateRequest(f"request ids {twice[:8]} are already scheduled")
         for n in new:
             p = n.params
             req = Req(

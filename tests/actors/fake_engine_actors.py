@@ -4,13 +4,17 @@
 replica of the req-to-token table from the slot deltas, "writes KV" by recording
 (token, position) per slot, and checks on every forward that each request's row
 points at slots holding exactly that request's tokens at those positions (prefix
-hits included). Its next token is a deterministic function of the request's
-tokens, so outputs are reproducible across batchings, retractions and evictions.
+hits included), never into the padding page and always at in-page offset
+position % page_size (the paged-attention layout). `hold_at_step` pauses one forward
+until the test releases it, so a test can act while exactly that step is in flight.
+Its next token is a deterministic function of the request's tokens, so outputs are
+reproducible across batchings, retractions and evictions.
 `SinkTokenizer` collects the scheduler's TokenBatch messages.
 """
 
 from __future__ import annotations
 
+import anyio
 import numpy as np
 
 from actors.runtime import Actor
@@ -28,16 +32,23 @@ def next_token(tokens: list[int]) -> int:
 class FakeRunner(Actor):
     inbox = ForwardBatchMsg
 
-    def __init__(self, num_slots: int, max_rows: int, row_capacity: int) -> None:
+    def __init__(self, num_slots: int, max_rows: int, row_capacity: int, page_size: int = 1):
+        self.page_size = page_size
         self.table = np.zeros((max_rows + 1, row_capacity), dtype=np.int64)
         self.slot_token = np.full(num_slots, -1, dtype=np.int64)
         self.slot_pos = np.full(num_slots, -1, dtype=np.int64)
         self.prompts: dict[int, list[int]] = {}  # set by the test before submitting
         self.generated: dict[int, list[int]] = {}
         self.batches: list[ForwardBatchMsg] = []
+        self.hold_at_step: int | None = None  # pause the forward of this step number
+        self.held = anyio.Event()  # set while that forward is paused
+        self.release = anyio.Event()  # set by the test to let it finish
 
     async def handle(self, msg: ForwardBatchMsg, sender):
         self.batches.append(msg)
+        if self.hold_at_step is not None and msg.step == self.hold_at_step:
+            self.held.set()
+            await self.release.wait()
         d = msg.deltas
         off = 0
         for row, start, n in zip(d.rows, d.starts, d.lengths):
@@ -53,7 +64,10 @@ class FakeRunner(Actor):
             expected = self.prompts[rid] + self.generated.setdefault(rid, [])
             assert ids == expected[prefix : prefix + n], f"rid {rid}: fed the wrong tokens"
             slots = self.table[row, prefix : prefix + n]
-            assert (slots >= 1).all(), f"rid {rid}: unset slots {slots}"
+            ps = self.page_size
+            assert (slots >= ps).all(), f"rid {rid}: slots {slots} in the padding page"
+            offsets = np.arange(prefix, prefix + n) % ps
+            assert (slots % ps == offsets).all(), f"rid {rid}: slots {slots} off their offsets"
             self.slot_token[slots] = ids
             self.slot_pos[slots] = np.arange(prefix, prefix + n)
             every = self.table[row, : prefix + n]

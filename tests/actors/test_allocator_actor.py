@@ -163,3 +163,62 @@ def test_bad_message_to_allocator_is_an_error_and_changes_nothing():
             assert after.free_pages == before.free_pages and after.records == before.records == 0
 
     anyio.run(main)
+
+
+def test_batched_messages_are_all_or_nothing():
+    """An item that would raise leaves the earlier items of its message undone."""
+
+    async def main():
+        from actors.runtime import RemoteError
+
+        async with ActorSystem(kv_specs(), transport="inproc") as engine:
+            alloc = engine.ref("allocator")
+            before = await alloc.call(KvStatsRequest(), expect=KvStats)
+            good = ExtendItem(rid=1, tokens=list(range(10, 30)), budget=8)
+            with pytest.raises(RemoteError, match="budget must be >= 1"):
+                await alloc.call(
+                    AllocExtend(items=[good, ExtendItem(rid=2, tokens=[1, 2], budget=0)])
+                )
+            with pytest.raises(RemoteError, match="twice"):
+                await alloc.call(AllocExtend(items=[good, good]))
+            after = await alloc.call(KvStatsRequest(check_invariants=True), expect=KvStats)
+            assert after.records == 0 and after.free_pages == before.free_pages
+            # A held request, then a release batch whose second item is bad.
+            reply = await alloc.call(AllocExtend(items=[good]), expect=AllocExtendReply)
+            assert reply.grants[0].row >= 0
+            held = await alloc.call(KvStatsRequest(), expect=KvStats)
+            finish = ReleaseItem(rid=1, kind=ReleaseKind.FINISH, tokens=list(range(10, 18)))
+            with pytest.raises(RemoteError, match="holds no KV"):
+                await alloc.call(
+                    ReleaseBatch(items=[finish, ReleaseItem(rid=99, kind=ReleaseKind.RETRACT)])
+                )
+            with pytest.raises(RemoteError, match="twice"):
+                await alloc.call(AllocDecode(rids=[1, 1]))
+            still = await alloc.call(KvStatsRequest(check_invariants=True), expect=KvStats)
+            assert still.records == 1 and still.free_pages == held.free_pages
+            await alloc.call(ReleaseBatch(items=[ReleaseItem(rid=1, kind=ReleaseKind.ABORT)]))
+
+    anyio.run(main)
+
+
+def test_idle_check_is_always_on_and_counted():
+    async def main():
+        from transport.messages.alloc import IdleCheck, IdleCheckReply
+
+        specs = kv_specs()
+        specs[1] = ActorSpec(
+            "allocator", specs[1].factory, {**specs[1].kwargs, "debug_checks": False}
+        )
+        async with ActorSystem(specs, transport="inproc") as engine:
+            alloc = engine.ref("allocator")
+            reply = await alloc.call(IdleCheck(), expect=IdleCheckReply)
+            assert reply.problems == []
+            await alloc.call(
+                AllocExtend(items=[ExtendItem(rid=5, tokens=list(range(9)), budget=9)])
+            )
+            reply = await alloc.call(IdleCheck(), expect=IdleCheckReply)  # a request holds KV
+            assert any("1 request records left" in p for p in reply.problems), reply.problems
+            stats = await alloc.call(KvStatsRequest(), expect=KvStats)
+            assert stats.idle_checks == 2 and stats.idle_check_failures == 1
+
+    anyio.run(main)

@@ -32,7 +32,7 @@ EOS = 5
 
 class Harness:
     def __init__(self, num_pages, page_size, rows=32, capacity=256, **sched):
-        self.runner = FakeRunner((num_pages + 1) * page_size, rows, capacity)
+        self.runner = FakeRunner((num_pages + 1) * page_size, rows, capacity, page_size)
         self.sink = SinkTokenizer()
         kv = dict(num_pages=num_pages, page_size=page_size, max_rows=rows, row_capacity=capacity)
         sched_kw = dict(page_size=page_size, row_capacity=capacity, max_running_requests=rows)
@@ -245,3 +245,132 @@ def test_pure_decode_steps_cost_three_messages_at_any_batch_size():
         assert s.pure_decode_messages == 3 * s.pure_decode_steps
         assert runner_calls == s.steps  # one forward message per step
         assert token_batches == s.steps  # one token report per step
+
+
+# ---- KV ownership holes (each of these failed before the fix it names) ----------------------
+
+
+def test_abort_frees_before_the_step_allocates_so_the_waiting_request_runs():
+    """40 pages of 4 slots: a 120-token request decodes, a 60-token one waits for room. The
+    first is aborted mid-decode: its pages must be back before the step admits, so the second
+    runs to its max_tokens (it used to end `length` with 0 tokens, and leave a record)."""
+
+    async def go():
+        async with Harness(40, 4, capacity=256, chunk_size=256, max_batch_tokens=512) as h:
+            h.runner.hold_at_step = 4
+            await h.submit(
+                {1: list(range(100, 220))}, GenerationParams(max_tokens=100, ignore_eos=True)
+            )
+            with anyio.fail_after(10):
+                while not h.runner.batches:
+                    await anyio.sleep(0.005)
+            await h.submit(
+                {2: list(range(300, 360))}, GenerationParams(max_tokens=4, ignore_eos=True)
+            )
+            with anyio.fail_after(10):
+                await h.runner.held.wait()
+            s, _ = await h.stats()
+            assert s.waiting == 1 and s.running == 1  # 2 waits: the pool cannot hold both
+            await h.end([1])
+            h.runner.release.set()
+            await h.wait_done([1, 2])
+            _, kv = await h.assert_idle_balanced()
+            return h.sink, kv
+
+    sink, kv = run(go)
+    assert sink.finish[1] == "abort"
+    assert sink.finish[2] == "length" and len(sink.outputs[2]) == 4
+    assert kv.records == 0
+
+
+def test_abort_during_the_forward_that_fills_the_pool_does_not_cut_the_survivor():
+    """page_size 1, 60 pages, two 20-token prompts with max_tokens 20: the forward of step 11
+    fills the pool; one request is aborted during it. The survivor must decode to 20 tokens
+    with no retraction (it used to be cut at 11 tokens, `length`)."""
+
+    async def go():
+        async with Harness(60, 1, capacity=64, new_token_ratio=0.0, min_new_token_ratio=0.0) as h:
+            h.runner.hold_at_step = 11
+            await h.submit(
+                {1: list(range(100, 120)), 2: list(range(200, 220))},
+                GenerationParams(max_tokens=20, ignore_eos=True),
+            )
+            with anyio.fail_after(10):
+                await h.runner.held.wait()
+            _, kv = await h.stats()
+            assert kv.free_pages == 0  # this forward's slots fill the pool
+            await h.end([1])
+            h.runner.release.set()
+            await h.wait_done([1, 2])
+            s, _ = await h.assert_idle_balanced()
+            return h.sink, s
+
+    sink, s = run(go)
+    assert sink.finish[1] == "abort"
+    assert sink.finish[2] == "length" and len(sink.outputs[2]) == 20
+    assert s.retractions == 0
+
+
+def test_a_refused_admission_leaves_the_prefix_cache_alone():
+    """A request too large for the whole pool is refused (and cut); the cached prefix of an
+    earlier request must survive it (refusal used to evict the tree first)."""
+    shared = list(range(500, 532))  # 32 tokens = 8 pages
+
+    async def go():
+        async with Harness(40, 4, capacity=256, chunk_size=256, max_batch_tokens=512) as h:
+            await h.submit(
+                {1: shared + [1, 2, 3, 4]}, GenerationParams(max_tokens=2, ignore_eos=True)
+            )
+            await h.wait_done([1])
+            _, before = await h.stats()
+            await h.submit({2: list(range(1000, 1200))}, GenerationParams(max_tokens=2))
+            await h.wait_done([2])
+            _, after = await h.stats()
+            await h.submit({3: shared + [9, 9]}, GenerationParams(max_tokens=2, ignore_eos=True))
+            await h.wait_done([3])
+            await h.assert_idle_balanced()
+            return h.sink, before, after
+
+    sink, before, after = run(go)
+    assert sink.finish[2] == "length" and sink.outputs.get(2, []) == []  # cannot ever fit
+    assert after.tree_pages == before.tree_pages and after.evicted_pages == 0
+    assert sink.cached[3] == 32
+
+
+def test_duplicate_request_ids_are_refused_and_change_nothing():
+    async def go():
+        async with Harness(200, 4) as h:
+            params = GenerationParams(max_tokens=30, ignore_eos=True)
+            await h.submit({1: [10, 11, 12]}, params)
+            with anyio.fail_after(10):
+                while len(h.sink.outputs.get(1, [])) < 3:
+                    await anyio.sleep(0.005)
+            # The same id again (sent directly: the fake runner keeps the first one's prompt).
+            again = NewRequest(rid=1, prompt_ids=[40, 41, 42, 43], params=params, eos_ids=[])
+            await h.engine.ref("scheduler").send(SubmitRequests(reqs=[again]))
+            twice = [NewRequest(rid=7, prompt_ids=[5, 6], params=params, eos_ids=[])] * 2
+            await h.engine.ref("scheduler").send(SubmitRequests(reqs=twice))  # twice in one
+            await h.wait_done([1])
+            await anyio.sleep(0.05)
+            s, _ = await h.assert_idle_balanced()
+            health = await h.engine.health()
+            return h.sink, s, health
+
+    sink, s, health = run(go)
+    assert all(hh.up for hh in health.values())
+    assert sink.finish[1] == "length" and len(sink.outputs[1]) == 30
+    assert sink.outputs[1] == FakeRunnerOutputs.expected([10, 11, 12], 30)
+    assert 7 not in sink.finish  # the whole message was refused
+
+
+class FakeRunnerOutputs:
+    @staticmethod
+    def expected(prompt: list[int], n: int) -> list[int]:
+        from tests.actors.fake_engine_actors import next_token
+
+        toks = list(prompt)
+        out = []
+        for _ in range(n):
+            out.append(next_token(toks))
+            toks.append(out[-1])
+        return out

@@ -319,6 +319,8 @@ SERIES = [
     "kvactor_kv_evicted_pages_total",
     "kvactor_kv_retractions_total",
     "kvactor_kv_aborted_total",
+    "kvactor_kv_idle_checks_total",  # added with the always-on idle check
+    "kvactor_kv_idle_check_failures_total",
 ]
 
 
@@ -330,6 +332,8 @@ def test_metrics_carry_every_series_and_process_metrics(client, server):
     assert metrics['kvactor_engine_stats_up{source="allocator"}'] == 1
     assert metrics["kvactor_scheduler_steps_total"] >= 2
     assert metrics["process_resident_memory_bytes"] > 0  # from prometheus_client itself
+    assert metrics["kvactor_kv_idle_checks_total"] >= 1  # the engine has been idle
+    assert metrics["kvactor_kv_idle_check_failures_total"] == 0
 
 
 def test_api_key_is_required(server):

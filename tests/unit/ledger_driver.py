@@ -23,9 +23,11 @@ def run_sync(coro):
     raise RuntimeError("coroutine suspended; the ledger under test must not await real I/O")
 
 
-def make_ledger(num_pages: int, page_size: int, rows: int, capacity: int, radix: bool = True):
+def make_ledger(
+    num_pages: int, page_size: int, rows: int, capacity: int, radix: bool = True, cls=KvLedger
+):
     tree = RadixTree(page_size) if radix else None
-    ledger = KvLedger(
+    ledger = cls(
         PagePool(num_pages, page_size),
         ReqToTokenTable(rows, capacity),
         LocalPrefixPort(tree) if radix else None,

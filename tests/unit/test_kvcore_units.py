@@ -111,7 +111,7 @@ def _snapshot(pool, table, tree, records):
         page_size=pool.page_size,
         total_pages=pool.num_pages,
         free_pages=pool.free_pages(),
-        tree_pages=tree.owned_pages(),
+        tree=tree.snapshot(),
         table=table.table,
         held_rows=table.held_rows(),
         records=records,

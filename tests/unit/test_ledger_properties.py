@@ -1,20 +1,30 @@
 """Property tests: random operation sequences against the allocator's ledger.
 
-Every step runs the invariant checker, and a fake KV store checks that the
-slots a request's row points at really hold that request's tokens at those
-positions (so prefix matches return the right KV, and no freed slot is reused
-while still referenced).
+After every step the invariant checker runs, and a fake KV store checks that the slots a
+request's row points at really hold that request's tokens at those positions (so prefix
+matches return the right KV, and no freed slot is reused while still referenced). The
+rules build shared prefixes on purpose (twins prefilling the same prompt in chunks,
+re-submitted finished prompts, a pool filled with cached pages) so that every path of the
+ledger is reached; `event` counts them. Oracles beyond the checker:
+
+* a request holds a record exactly while it holds KV or waits after a retraction;
+* an admission is granted whenever free + evictable pages and a row suffice, computes at
+  least one token, and a refusal leaves the pool and the tree as they were.
+
+`MUTANTS` plants one bug each in a copy of the ledger's source; the same machine, at the
+same settings, must catch every one of them (tests/unit/test_ledger_mutants.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from actors.allocator.ledger import LedgerError
+from actors.allocator.ledger import KvLedger, LedgerError
+from kvcore import ceil_page
 from tests.unit.ledger_driver import FakeKv, make_ledger, run_sync
 
 BASES = [list(range(100, 140)), list(range(200, 230)), [100, 101, 102, 103, 300, 301]]
@@ -22,6 +32,7 @@ BASES = [list(range(100, 140)), list(range(200, 230)), [100, 101, 102, 103, 300,
 
 class LedgerMachine(RuleBasedStateMachine):
     page_size = 1
+    ledger_class: type = KvLedger
 
     @initialize(
         num_pages=st.integers(6, 80),
@@ -31,32 +42,110 @@ class LedgerMachine(RuleBasedStateMachine):
     def setup(self, num_pages, rows, radix):
         self.capacity = 64
         self.ledger, self.tree = make_ledger(
-            num_pages, self.page_size, rows, self.capacity, radix=radix
+            num_pages, self.page_size, rows, self.capacity, radix=radix, cls=self.ledger_class
         )
         self.kv = FakeKv(self.ledger.pool.num_slots)
         self.tokens: dict[int, np.ndarray] = {}  # live requests' known tokens
+        self.retracted: set[int] = set()  # released by retraction, waiting to come back
+        self.finished: list[np.ndarray] = []  # tokens of finished requests (cached prefixes)
         self.next_rid = 0
+        self.duplicates_freed = 0
 
     # -- helpers --
     def _apply(self, deltas):
         self.kv.apply(deltas, self.capacity)
 
+    def _rec(self, rid):
+        return self.ledger.records.get(rid)
+
     def _held(self):
-        return [
-            r for r in self.tokens if self.ledger.records.get(r) and self.ledger.records[r].is_held
-        ]
+        return [r for r in self.tokens if self._rec(r) is not None and self._rec(r).is_held]
 
     def _prefilling(self):
-        return [
-            r for r in self._held() if self.ledger.records[r].kv_committed_len < len(self.tokens[r])
-        ]
+        return [r for r in self._held() if self._rec(r).kv_committed_len < len(self.tokens[r])]
 
     def _decoding(self):
+        return [r for r in self._held() if self._rec(r).kv_committed_len == len(self.tokens[r])]
+
+    def _not_done(self):
         return [
             r
-            for r in self._held()
-            if self.ledger.records[r].kv_committed_len == len(self.tokens[r])
+            for r in self.tokens
+            if self._rec(r) is None
+            or not self._rec(r).is_held
+            or self._rec(r).kv_committed_len < len(self.tokens[r])
         ]
+
+    def _add(self, toks) -> int:
+        rid = self.next_rid
+        self.next_rid += 1
+        self.tokens[rid] = np.asarray(toks, dtype=np.int64)
+        return rid
+
+    def _pool_and_tree(self):
+        tree = None
+        if self.tree is not None:
+            tree = (
+                sorted(self.tree.owned_slots().tolist()),
+                self.tree.evictable_size,
+                self.tree.protected_size,
+            )
+        return sorted(self.ledger.pool.free_pages().tolist()), tree
+
+    def _would_fit(self, rid, budget) -> bool:
+        """Whether free + evictable pages (after locking the match) and a row cover the next
+        chunk of `rid`; computed from the pool and the tree, not from the ledger."""
+        toks, rec, ps = self.tokens[rid], self._rec(rid), self.page_size
+        if rec is not None and rec.is_held:
+            start, open_page = rec.kv_committed_len, start_in_open_page(rec.kv_allocated_len, ps)
+            evictable = self.tree.evictable_size if self.tree is not None else 0
+        else:
+            if self.ledger.table.num_free_rows == 0:
+                return False
+            start, open_page, evictable = 0, 0, 0
+            if self.tree is not None:
+                start = self.tree.match_prefix(toks[: len(toks) - 1]).length
+                evictable = self.tree.evictable_size - _unlocked_on_path(self.tree, toks, start)
+        end = min(len(toks), start + budget)
+        fresh = max(end - start - open_page, 0)
+        need = ceil_page(fresh, ps) // ps
+        return need <= self.ledger.pool.num_free + evictable // ps
+
+    def _extend(self, rid, budget):
+        """One alloc_extend with every oracle; the grant or None."""
+        toks = self.tokens[rid]
+        fits = self._would_fit(rid, budget)
+        before = self._pool_and_tree()
+        had_record = self._rec(rid) is not None
+        deltas = []
+        grant = run_sync(self.ledger.alloc_extend(rid, toks, budget, deltas))
+        self._apply(deltas)
+        if grant is None:
+            event("extend refused")
+            assert not fits, f"request {rid} refused although free + evictable pages suffice"
+            assert deltas == []
+            assert self._pool_and_tree() == before, "a refusal changed the pool or the tree"
+            assert (self._rec(rid) is not None) == had_record, "a refusal created a record"
+            return None
+        assert grant.end > grant.start, f"request {rid}: a grant that computes no token"
+        if grant.cached_len:
+            event("extend hit the prefix cache")
+            self.kv.assert_row_holds(grant.row, toks, grant.cached_len)
+        self.kv.write(grant.row, toks, grant.start, grant.end)
+        self.kv.assert_row_holds(grant.row, toks, grant.end)
+        self.retracted.discard(rid)
+        return grant
+
+    def _cache_unfinished(self, rid):
+        rec = self._rec(rid)
+        free_before = self.ledger.pool.num_free
+        deltas = []
+        run_sync(self.ledger.cache_unfinished(rid, self.tokens[rid], deltas))
+        self._apply(deltas)
+        if self.ledger.pool.num_free > free_before:
+            event("cache_unfinished freed duplicate pages")
+            self.duplicates_freed += self.ledger.pool.num_free - free_before
+        self.kv.assert_row_holds(rec.req_pool_idx, self.tokens[rid], rec.kv_committed_len)
 
     # -- rules --
     @rule(
@@ -65,35 +154,23 @@ class LedgerMachine(RuleBasedStateMachine):
         suffix=st.lists(st.integers(0, 50), max_size=12),
     )
     def new_request(self, base, cut, suffix):
-        toks = np.array(base[:cut] + suffix, dtype=np.int64)
-        if len(toks) < 1:
-            toks = np.array([7], dtype=np.int64)
-        self.tokens[self.next_rid] = toks
-        self.next_rid += 1
+        toks = base[:cut] + suffix
+        self._add(toks or [7])
+
+    @precondition(lambda self: self.finished)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 50), max_size=3))
+    def resubmit_finished(self, data, extra):
+        """A finished prompt again, cut to whole pages (fully cached) or extended."""
+        toks = data.draw(st.sampled_from(self.finished))
+        whole = (len(toks) // self.page_size) * self.page_size
+        self._add(list(toks[: max(whole, 1)]) + extra)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), budget=st.integers(1, 24))
     def extend(self, data, budget):
-        waiting = [
-            r
-            for r in self.tokens
-            if not self.ledger.record(r).is_held
-            or self.ledger.records[r].kv_committed_len < len(self.tokens[r])
-        ]
-        if not waiting:
-            return
-        rid = data.draw(st.sampled_from(waiting))
-        toks = self.tokens[rid]
-        deltas = []
-        grant = run_sync(self.ledger.alloc_extend(rid, toks, budget, deltas))
-        self._apply(deltas)
-        if grant is None:
-            assert deltas == []
-            return
-        if grant.cached_len:
-            self.kv.assert_row_holds(grant.row, toks, grant.cached_len)
-        self.kv.write(grant.row, toks, grant.start, grant.end)
-        self.kv.assert_row_holds(grant.row, toks, grant.end)
+        waiting = self._not_done()
+        if waiting:
+            self._extend(data.draw(st.sampled_from(waiting)), budget)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), budget=st.integers(4, 64))
@@ -101,33 +178,40 @@ class LedgerMachine(RuleBasedStateMachine):
         """Run one request's chunks until its prompt is in KV (or the pool refuses)."""
         rid = data.draw(st.sampled_from(sorted(self.tokens)))
         for _ in range(64):
-            rec = self.ledger.record(rid)
-            if rec.is_held and rec.kv_committed_len == len(self.tokens[rid]):
+            rec = self._rec(rid)
+            if rec is not None and rec.is_held and rec.kv_committed_len == len(self.tokens[rid]):
                 return
-            toks = self.tokens[rid]
-            deltas = []
-            grant = run_sync(self.ledger.alloc_extend(rid, toks, budget, deltas))
-            self._apply(deltas)
+            grant = self._extend(rid, budget)
             if grant is None:
                 return
-            self.kv.write(grant.row, toks, grant.start, grant.end)
-            if grant.end < len(toks):
-                deltas = []
-                run_sync(self.ledger.cache_unfinished(rid, toks, deltas))
-                self._apply(deltas)
-            self.kv.assert_row_holds(grant.row, toks, grant.end)
+            if grant.end < len(self.tokens[rid]):
+                self._cache_unfinished(rid)
+
+    @rule(base=st.sampled_from(BASES), chunk=st.sampled_from([1, 2, 4, 8, 16]))
+    def twins_prefill_in_chunks(self, base, chunk):
+        """Two requests with one prompt prefill side by side in chunks, each caching its
+        finished pages: the second finds the first's pages and frees its duplicates."""
+        a, b = self._add(base), self._add(base)
+        for _ in range(len(base)):
+            progressed = False
+            for rid in (a, b):
+                rec = self._rec(rid)
+                if rec is not None and rec.is_held and rec.kv_committed_len == len(base):
+                    continue
+                grant = self._extend(rid, chunk)
+                if grant is not None:
+                    progressed = True
+                    if grant.end < len(base):
+                        self._cache_unfinished(rid)
+            if not progressed:
+                return
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def cache_unfinished(self, data):
         cands = self._prefilling()
         if cands:
-            rid = data.draw(st.sampled_from(cands))
-            deltas = []
-            run_sync(self.ledger.cache_unfinished(rid, self.tokens[rid], deltas))
-            self._apply(deltas)
-            rec = self.ledger.records[rid]
-            self.kv.assert_row_holds(rec.req_pool_idx, self.tokens[rid], rec.kv_committed_len)
+            self._cache_unfinished(data.draw(st.sampled_from(cands)))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), new_token=st.integers(0, 50))
@@ -139,11 +223,12 @@ class LedgerMachine(RuleBasedStateMachine):
         deltas = []
         short = run_sync(self.ledger.alloc_decode(rids, deltas))
         if short:
+            event("decode short")
             assert deltas == []
             return
         self._apply(deltas)
         for rid in rids:
-            rec = self.ledger.records[rid]
+            rec = self._rec(rid)
             self.tokens[rid] = np.append(self.tokens[rid], new_token)
             self.kv.write(
                 rec.req_pool_idx, self.tokens[rid], rec.kv_committed_len - 1, rec.kv_committed_len
@@ -160,15 +245,46 @@ class LedgerMachine(RuleBasedStateMachine):
         toks = self.tokens[rid]
         if kind == "finish":
             run_sync(self.ledger.finish(rid, toks))
+            self.finished.append(toks)
         elif kind == "abort":
             run_sync(self.ledger.abort(rid))
             run_sync(self.ledger.abort(rid))  # idempotent
         else:
             # Only committed KV may be cached: retract keeps the request's tokens.
             run_sync(self.ledger.retract(rid, toks))
-        rec = self.ledger.records[rid]
+            self.retracted.add(rid)
+        rec = self._rec(rid)
         assert not rec.is_held and rec.is_released
         if kind != "retract":
+            self.ledger.forget(rid)
+            del self.tokens[rid]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def forget_refuses_a_held_record(self, data):
+        held = self._held()
+        if not held:
+            return
+        rid = data.draw(st.sampled_from(held))
+        with pytest.raises(LedgerError, match="still holds"):
+            self.ledger.forget(rid)
+
+    @precondition(lambda self: self.tree is not None)
+    @rule(data=st.data())
+    def fill_the_pool_with_cached_pages(self, data):
+        """Finish requests until the pool is full of tree pages: admission must evict."""
+        for _ in range(8):
+            base = data.draw(st.sampled_from(BASES))
+            rid = self._add([*base, self.next_rid % 50])
+            grant = self._extend(rid, 64)
+            if grant is None:
+                del self.tokens[rid]
+                return
+            if grant.end < len(self.tokens[rid]):
+                run_sync(self.ledger.abort(rid))
+            else:
+                run_sync(self.ledger.finish(rid, self.tokens[rid]))
+                self.finished.append(self.tokens[rid])
             self.ledger.forget(rid)
             del self.tokens[rid]
 
@@ -180,36 +296,68 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def invariants_hold(self):
-        if hasattr(self, "ledger"):
-            run_sync(self.ledger.check())
+        if not hasattr(self, "ledger"):
+            return
+        run_sync(self.ledger.check())
+        holding = {r for r in self.tokens if self._rec(r) is not None and self._rec(r).is_held}
+        assert set(self.ledger.records) == holding | self.retracted, (
+            f"records {sorted(self.ledger.records)} but requests holding KV or retracted "
+            f"{sorted(holding | self.retracted)}"
+        )
 
     def teardown(self):
         if not hasattr(self, "ledger"):
             return
+        target(float(self.duplicates_freed), label="duplicate pages freed")
         for rid in list(self.tokens):
             run_sync(self.ledger.abort(rid))
             self.ledger.forget(rid)
         run_sync(self.ledger.check())
+        assert not self.ledger.records, f"records left: {sorted(self.ledger.records)}"
         tree_pages = 0 if self.tree is None else len(self.tree.owned_pages())
         assert self.ledger.pool.num_free + tree_pages == self.ledger.pool.num_pages
         if self.tree is not None:
             assert self.tree.protected_size == 0, "a lock leaked"
 
 
+def start_in_open_page(allocated: int, page_size: int) -> int:
+    """Positions still free in the last, partly used page of a row."""
+    return (-allocated) % page_size
+
+
+def _unlocked_on_path(tree, tokens, length: int) -> int:
+    """Tokens on the tree path of `tokens[:length]` in nodes nobody locks (they become
+    protected when an admission locks the match)."""
+    node, pos, total = tree._root, 0, 0
+    while pos < length:
+        child = node.children[tree._child_key(tokens, pos)]
+        if child.lock_ref == 0:
+            total += len(child.key)
+        pos += len(child.key)
+        node = child
+    return total
+
+
 class LedgerMachinePage16(LedgerMachine):
     page_size = 16
 
 
-_settings = settings(
+class LedgerMachinePage4(LedgerMachine):
+    page_size = 4
+
+
+SETTINGS = settings(
     max_examples=120,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestLedgerPage1 = LedgerMachine.TestCase
-TestLedgerPage1.settings = _settings
+TestLedgerPage1.settings = SETTINGS
+TestLedgerPage4 = LedgerMachinePage4.TestCase
+TestLedgerPage4.settings = SETTINGS
 TestLedgerPage16 = LedgerMachinePage16.TestCase
-TestLedgerPage16.settings = _settings
+TestLedgerPage16.settings = SETTINGS
 
 
 def test_context_overflow_is_a_clear_error_and_changes_nothing():
@@ -217,7 +365,7 @@ def test_context_overflow_is_a_clear_error_and_changes_nothing():
     with pytest.raises(LedgerError, match="exceed row capacity"):
         run_sync(ledger.alloc_extend(1, np.arange(5), 8, []))
     run_sync(ledger.check())
-    assert ledger.pool.num_free == 8
+    assert ledger.pool.num_free == 8 and not ledger.records
 
 
 def test_prefix_reuse_prefills_only_new_tokens():
@@ -238,12 +386,9 @@ def test_prefix_reuse_prefills_only_new_tokens():
 def test_decode_is_all_or_nothing_and_reports_shortfall():
     ledger, tree = make_ledger(3, 2, 4, capacity=16)
     for rid in (1, 2):
-        run_sync(
-            ledger.alloc_extend(rid, np.array([rid, 5, 6, 7]), 8, [])
-        )  # 2 pages each? no: 3 pages total
-    # Pool had 3 pages: request 1 took 2, request 2 could not be admitted.
-    held = [r for r in (1, 2) if ledger.records[r].is_held]
-    assert held == [1]
+        run_sync(ledger.alloc_extend(rid, np.array([rid, 5, 6, 7]), 8, []))
+    # Pool had 3 pages: request 1 took 2, request 2 could not be admitted (and holds no record).
+    assert ledger.records[1].is_held and 2 not in ledger.records
     before = ledger.pool.num_free
     short = run_sync(ledger.alloc_decode([1], []))
     assert short == 0 and ledger.pool.num_free == before - 1
@@ -251,4 +396,6 @@ def test_decode_is_all_or_nothing_and_reports_shortfall():
     assert short == 0
     assert run_sync(ledger.alloc_decode([1], [])) == 1  # position 6 needs a 4th page
     assert ledger.records[1].kv_allocated_len == 6
+    with pytest.raises(LedgerError, match="twice"):
+        run_sync(ledger.alloc_decode([1, 1], []))
     run_sync(ledger.check())

@@ -101,3 +101,13 @@ class KvStats(Message):
     finished: int
     aborted: int
     retracted: int
+    idle_checks: int = 0  # conservation checks run when the engine went idle
+    idle_check_failures: int = 0
+
+
+class IdleCheck(Message):
+    """Scheduler -> allocator when the engine goes idle: check that nothing is held."""
+
+
+class IdleCheckReply(Message):
+    problems: list[str]  # empty: every page is free or in the tree, no record, row or lock

@@ -59,6 +59,20 @@ class TreeStatsRequest(Message):
     with_pages: bool = False
 
 
+class TreeSnapshotRequest(Message):
+    """The whole tree, for the invariant checker (debug checks only: it is large)."""
+
+
+class TreeSnapshotReply(Message):
+    ids: list[int]
+    parents: list[int]
+    keys: list[list[int]]
+    values: list[list[int]]
+    lock_refs: list[int]
+    evictable_tokens: int
+    protected_tokens: int
+
+
 class TreeStats(Message):
     evictable_tokens: int
     protected_tokens: int

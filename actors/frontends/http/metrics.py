@@ -117,6 +117,18 @@ class EngineCollector(Collector):
             yield _counter(f"{p}kv_evicted_pages", "Prefix-tree pages evicted", m, kv.evicted_pages)
             yield _counter(f"{p}kv_retractions", "Request records retracted", m, kv.retracted)
             yield _counter(f"{p}kv_aborted", "Request records released by abort", m, kv.aborted)
+            yield _counter(
+                f"{p}kv_idle_checks",
+                "KV conservation checks run when the engine went idle",
+                m,
+                kv.idle_checks,
+            )
+            yield _counter(
+                f"{p}kv_idle_check_failures",
+                "Idle KV checks that found pages, records, rows or locks still held",
+                m,
+                kv.idle_check_failures,
+            )
 
 
 def _gauge(name: str, help_text: str, model_name: str, value: float) -> GaugeMetricFamily:
