@@ -21,13 +21,6 @@ import torch
 from actors.runtime import Actor
 from transport.messages.runner import ForwardBatchMsg, StepResultMsg
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
 
 class ModelRunnerActor(Actor):
     inbox = ForwardBatchMsg
@@ -39,20 +32,22 @@ class ModelRunnerActor(Actor):
         max_rows: int,
         row_capacity: int,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         attention: str = "torch",
-        threads: int | None = None,
+        threads: int = 0,
+        own_process: bool = False,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        from kernels.cpu import choose_dtype, choose_threads
+
         self.model_path = model
-        self.dtype = _DTYPES[dtype]
+        # Chosen here, before anything loads: a dtype this CPU cannot run fails the start.
+        self.dtype, self.dtype_reason = choose_dtype(dtype)
+        self.threads, self.threads_reason = choose_threads(threads, own_process)
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_rows = max_rows
         self.row_capacity = row_capacity
         self.attention_name = attention
-        self.threads = threads
         self.executor = None
         self.sampler = None
         self.steps = 0
@@ -63,6 +58,13 @@ class ModelRunnerActor(Actor):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def on_start(self) -> None:
+        self.log.info(
+            "runner settings",
+            dtype=str(self.dtype).removeprefix("torch."),
+            dtype_reason=self.dtype_reason,
+            threads=self.threads,
+            threads_reason=self.threads_reason,
+        )
         await self._on_worker(self._load)
 
     async def on_stop(self) -> None:
@@ -75,8 +77,7 @@ class ModelRunnerActor(Actor):
         from kernels.models import load_model
         from kernels.sampling import Sampler
 
-        if self.threads:
-            torch.set_num_threads(self.threads)
+        torch.set_num_threads(self.threads)
         config, model = load_model(self.model_path, self.dtype)
         kv = KVCache(
             num_layers=config.num_layers,

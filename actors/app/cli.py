@@ -3,7 +3,7 @@
   bin/engine serve [--config F] [--host H] [--port P] [--api-key K] [--zmq ADDR] [--set k=v ...]
   bin/engine generate "prompt" [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]
                       [--seed S] [--stop STR ...] [--chat] [--set k=v ...]
-  bin/engine bench {transport,model,lm_head,engine,serving} [...]
+  bin/engine bench {transport,model,lm_head,engine,serving,serve,offline} [...]
 
 `--set section.key=value` overrides any config key (values parsed as TOML scalars).
 """
@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
 
     bench = sub.add_parser("bench", help="benchmarks (not tests)")
-    bench.add_argument("what", choices=["transport", "model", "lm_head", "engine", "serving"])
+    bench.add_argument(
+        "what", choices=["transport", "model", "lm_head", "engine", "serving", "serve", "offline"]
+    )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
 
     args = parser.parse_args(argv)
@@ -154,6 +156,10 @@ def _bench(args) -> int:
         from actors.bench.lm_head import main as run
     elif args.what == "serving":
         from actors.bench.serving import main as run
+    elif args.what == "serve":
+        from actors.bench.serve import main as run
+    elif args.what == "offline":
+        from actors.bench.offline import main as run
     else:
         from actors.bench.engine import main as run
     result = run()

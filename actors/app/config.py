@@ -33,9 +33,10 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ModelSection(_Section):
     path: str = ""  # "" = the embedded Gemma 3 270M; or a .gguf file / a Hugging Face folder
-    dtype: Literal["float32", "fp32", "bfloat16", "bf16"] = "bfloat16"
+    # auto: bf16 where the CPU computes it natively, else fp32 (kernels/cpu.py)
+    dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16"] = "auto"
     attention: Literal["torch"] = "torch"
-    threads: int = 1  # torch threads of the runner; 0 = torch's default
+    threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
 
 
 class KvSection(_Section):

@@ -19,6 +19,15 @@ def core_actor_names(cfg: EngineConfig) -> list[str]:
     return [*CORE_ACTORS, *(("radix",) if cfg.kv.radix else ())]
 
 
+def runner_has_own_process(cfg: EngineConfig) -> bool:
+    """True when the runner's group is a child process that holds no other actor."""
+    if cfg.engine.transport == "inproc":
+        return False
+    group = cfg.engine.groups.get("runner", "main")
+    others = [a for a in (*core_actor_names(cfg), "frontend") if a != "runner"]
+    return group != "main" and all(cfg.engine.groups.get(a, "main") != group for a in others)
+
+
 def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
     kv, sch, mdl = cfg.kv, cfg.scheduler, cfg.model
     group = cfg.engine.groups.get
@@ -35,7 +44,8 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 model=model_path,
                 dtype=mdl.dtype,
                 attention=mdl.attention,
-                threads=mdl.threads or None,
+                threads=mdl.threads,
+                own_process=runner_has_own_process(cfg),
             ),
             group=group("runner", "main"),
         ),

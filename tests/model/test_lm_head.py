@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import bf16_matmul_supported
 from kernels.lm_head import BACKENDS, LmHead, onednn_available
 
 VOCAB, HIDDEN = 4099, 64  # odd vocab: no backend may rely on a friendly multiple
@@ -83,6 +84,10 @@ def test_weight_is_shared_and_packed_copy_only_kept_when_used() -> None:
         assert LmHead(weight, backend="onednn")._packed is not None
 
 
+@pytest.mark.skipif(
+    not bf16_matmul_supported(),
+    reason="this CPU cannot run bf16 matmuls (oneDNN needs avx512bw/vl/dq or avx_ne_convert)",
+)
 def test_bf16_weight_gives_float32_logits_close_to_fp32_product() -> None:
     weight = _weight(torch.bfloat16)
     hidden = _hidden(8)

@@ -1,0 +1,121 @@
+"""`bin/engine bench offline`: the same prompts through kvactor's offline API and through HF
+transformers' batched `generate`, in one run.
+
+Prompts are `--num-prompts` windows of a fixed English text with lengths uniform in
+[`--min-len`, `--max-len`] tokens; every request generates exactly `--new-tokens` tokens,
+greedy (EOS ignored). HF runs at each batch size of `--hf-batches` (left-padded, fp32) and
+its best one is the baseline; the ratio is kvactor's output tok/s over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import anyio
+
+from actors.app.cli import load_config
+from actors.app.corpus import natural_text
+from actors.app.serving import ServingEngine
+from transport.messages.params import GenerationParams
+
+
+def prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    ids = tokenizer.encode(natural_text(), add_special_tokens=False)
+    while len(ids) < hi + 10:
+        ids = ids + ids
+    out = []
+    for _ in range(n):
+        length = rng.randint(lo, hi)
+        start = rng.randrange(0, len(ids) - length)
+        out.append([tokenizer.bos_id, *ids[start : start + length - 1]])
+    return out
+
+
+async def run_kvactor(cfg, batch: list[list[int]], new_tokens: int) -> dict:
+    params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    async with ServingEngine(cfg) as eng:
+        await eng.generate_batch([batch[0][:8]], GenerationParams(max_tokens=2, temperature=0))
+        t = time.perf_counter()
+        results = await eng.generate_batch(batch, params)
+        wall = time.perf_counter() - t
+    out = sum(len(r.token_ids) for r in results)
+    return {"wall_s": wall, "output_tokens": out, "output_tok_s": out / wall}
+
+
+def run_hf(batch: list[list[int]], new_tokens: int, sizes: list[int], pad_id: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kernels.gguf_loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    kw = dict(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id
+    )
+    by_size = {}
+    with torch.inference_mode():
+        model.generate(torch.tensor([batch[0][:8]]), max_new_tokens=2, do_sample=False)
+        for size in sizes:
+            t = time.perf_counter()
+            for i in range(0, len(batch), size):
+                group = batch[i : i + size]
+                width = max(len(p) for p in group)
+                ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+                model.generate(ids, attention_mask=mask, **kw)
+            wall = time.perf_counter() - t
+            by_size[size] = len(batch) * new_tokens / wall
+            print(f"HF fp32 batch {size}: {by_size[size]:.1f} tok/s ({wall:.1f} s)", flush=True)
+    best = max(by_size, key=by_size.__getitem__)
+    return {"by_batch_tok_s": by_size, "best_batch": best, "best_tok_s": by_size[best]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        prog="bin/engine bench offline", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-len", type=int, default=50)
+    ap.add_argument("--max-len", type=int, default=500)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--hf-batches", default="8,16,32,64")
+    ap.add_argument("--hf-threads", type=int, default=0, help="torch threads for HF (0: all)")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config")
+    ap.add_argument("--set", action="append", default=[])
+    args = ap.parse_args()
+    from kernels.tokenizer_loader import load_tokenizer
+
+    cfg = load_config(args.config, args.set)
+    tok = load_tokenizer(None)
+    batch = prompts(tok, args.num_prompts, args.min_len, args.max_len, args.seed)
+    ours = anyio.run(run_kvactor, cfg, batch, args.new_tokens)
+    print(
+        f"kvactor offline: {ours['output_tok_s']:.1f} tok/s ({ours['wall_s']:.1f} s, "
+        f"{ours['output_tokens']} tokens)",
+        flush=True,
+    )
+    if args.no_hf:
+        return 0
+    import torch
+
+    if args.hf_threads:
+        torch.set_num_threads(args.hf_threads)
+    sizes = [int(s) for s in args.hf_batches.split(",")]
+    hf = run_hf(batch, args.new_tokens, sizes, tok.pad_id or 0)
+    print(
+        f"ratio kvactor / HF best (batch {hf['best_batch']}): "
+        f"{ours['output_tok_s'] / hf['best_tok_s']:.2f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""What this CPU computes well, and the runner settings that follow (chosen at run time).
+
+Machines differ: a CPU with AVX512-BF16 or AMX multiplies bf16 natively, and there bf16
+weights halve the memory a decode step streams; on an AVX2-only CPU the same bf16 matmul is
+emulated (several times slower than fp32) and oneDNN's bf16 path may refuse to run. So the
+default `model.dtype = "auto"` picks bf16 only where the CPU has native bf16 (AVX512-BF16,
+AMX-BF16 or AVX-NE-CONVERT) and oneDNN accepts bf16, fp32 everywhere else; every choice
+comes with the reason, which the runner logs.
+
+Threads: `model.threads = 0` ("auto") gives the runner every core it may run on when it has
+its own process, and all but one when it shares the process with the control plane (the
+scheduler, tokenizer and HTTP server need a core to stay responsive).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    capability: str  # torch's dispatch level: "AVX2", "AVX512", ...
+    flags: frozenset[str]  # /proc/cpuinfo flags (empty where unreadable)
+    native_bf16: bool  # bf16 multiply in hardware
+    onednn_bf16: bool  # oneDNN will run bf16 kernels here (natively or emulated)
+    cores: int  # CPUs this process may run on
+
+    def describe(self) -> str:
+        native = [f for f in NATIVE_BF16_FLAGS if f in self.flags]
+        return (
+            f"{self.capability}, {self.cores} cores, native bf16: "
+            f"{', '.join(native) if native else 'none'}"
+        )
+
+
+@cache
+def cpu_features() -> CpuFeatures:
+    flags = _cpuinfo_flags()
+    native = bool(flags & set(NATIVE_BF16_FLAGS))
+    cpu = getattr(torch, "cpu", None)
+    if cpu is not None and hasattr(cpu, "_is_avx512_bf16_supported"):
+        native = native or bool(cpu._is_avx512_bf16_supported())
+    try:
+        onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        onednn = False
+    return CpuFeatures(
+        capability=torch.backends.cpu.get_cpu_capability(),
+        flags=frozenset(flags),
+        native_bf16=native,
+        onednn_bf16=onednn,
+        cores=len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else (os.cpu_count() or 1),
+    )
+
+
+def _cpuinfo_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def choose_dtype(requested: str, device: str = "cpu") -> tuple[torch.dtype, str]:
+    """The weight dtype for `requested` ("auto" or a dtype name), and why."""
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {requested!r}")
+        dtype = _DTYPES[requested]
+        if dtype == torch.bfloat16 and device == "cpu" and not cpu_features().onednn_bf16:
+            raise ValueError(
+                f"dtype {requested} cannot run on this CPU ({cpu_features().describe()}): "
+                "oneDNN refuses bf16 here; use auto or float32"
+            )
+        return dtype, "set in the config"
+    if device != "cpu":
+        return torch.bfloat16, f"auto: bf16 on {device}"
+    f = cpu_features()
+    if f.native_bf16 and f.onednn_bf16:
+        return torch.bfloat16, f"auto: this CPU computes bf16 natively ({f.describe()})"
+    return torch.float32, f"auto: no native bf16 on this CPU, fp32 is faster ({f.describe()})"
+
+
+def choose_threads(requested: int, own_process: bool) -> tuple[int, str]:
+    """torch threads for the runner: `requested` when > 0, else from the cores available."""
+    if requested > 0:
+        return requested, "set in the config"
+    cores = cpu_features().cores
+    if own_process:
+        return cores, f"auto: every core ({cores}), the runner has its own process"
+    n = max(1, cores - 1)
+    return n, f"auto: {n} of {cores} cores, one left to the actors sharing this process"
+
+
+def bf16_matmul_supported() -> bool:
+    """Whether bf16 CPU matmuls run here at all (oneDNN's bf16 path is available)."""
+    return cpu_features().onednn_bf16

@@ -1,0 +1,107 @@
+"""The benchmark tools on tiny workloads against the shared server: they run, and their
+JSON holds what they promise. (They report numbers; nothing here judges them.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from actors.bench import serve
+from tests.e2e.server_fixtures import MODEL_NAME
+
+pytestmark = [pytest.mark.model]
+
+
+def bench(server, tmp_path, *extra: str) -> dict:
+    out = tmp_path / "bench.json"
+    code = serve.main(
+        [
+            "--base-url",
+            server.base_url,
+            "--api-key",
+            server.api_key,
+            "--model",
+            MODEL_NAME,
+            "--output-json",
+            str(out),
+            "--plot-dir",
+            str(tmp_path / "plots"),
+            *extra,
+        ]
+    )
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_random_dataset_with_fixed_lengths(server, tmp_path):
+    doc = bench(
+        server,
+        tmp_path,
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "24",
+        "--output-len",
+        "4",
+        "--max-concurrency",
+        "2",
+        "--ignore-eos",
+    )
+    [run] = doc["runs"]
+    assert run["completed"] == 4 and run["failed"] == 0
+    assert run["output_tokens"] == 16 and run["input_tokens"] >= 4 * 20
+    assert run["max_concurrency"] == 2
+    for key in ("ttft_s", "itl_s", "e2e_s"):
+        assert set(run[key]) == {"mean", "p50", "p90", "p99"}
+        assert run[key]["p99"] >= run[key]["p50"] >= 0
+    assert 0 < run["ttft_s"]["mean"] <= run["e2e_s"]["mean"]
+    # ITL is between content chunks: at most 3 gaps per 4-token request (a token whose text
+    # the detokenizer holds back rides in the next chunk).
+    assert 4 <= len(run["samples"]["itl_s"]) <= 4 * 3
+    assert (tmp_path / "plots" / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_shared_prefix_hits_the_cache_and_a_sweep_plots(server, tmp_path):
+    doc = bench(
+        server,
+        tmp_path,
+        "--dataset",
+        "shared-prefix",
+        "--num-prompts",
+        "3",
+        "--system-prompt-len",
+        "96",
+        "--question-len",
+        "8",
+        "--output-len",
+        "2",
+        "--concurrency-sweep",
+        "1,3",
+    )
+    assert [r["max_concurrency"] for r in doc["runs"]] == [1, 3]
+    assert all(r["completed"] == 3 for r in doc["runs"])
+    assert doc["runs"][1]["cached_tokens"] >= 3 * 64  # the system prompt came from the cache
+    assert (tmp_path / "plots" / "vs_concurrency.png").exists()
+
+
+def test_multi_turn_sends_the_whole_conversation(server, tmp_path):
+    doc = bench(
+        server,
+        tmp_path,
+        "--dataset",
+        "multi-turn",
+        "--num-prompts",
+        "2",
+        "--turns",
+        "2",
+        "--question-len",
+        "8",
+        "--output-len",
+        "3",
+        "--max-concurrency",
+        "2",
+    )
+    [run] = doc["runs"]
+    assert run["completed"] == 4
+    assert run["cached_tokens"] > 0  # the second turn re-sends the first: a prefix hit
