@@ -119,14 +119,22 @@ class ModelRunnerActor(Actor):
             need_logits=list(msg.need_logits),
             slot_deltas=SlotDeltas(d.rows, d.starts, d.lengths, d.slots),
         )
-        logits = self.executor.forward(batch)
+        prompt = _PromptLogprobs()
+        if any(k >= 0 for k in msg.prompt_logprobs):
+            full = [k >= 0 for k in msg.prompt_logprobs]
+            logits, per_request = self.executor.forward_full(batch, full)
+            prompt.compute(msg, inputs, per_request)  # raw logits: before any penalty
+        else:
+            logits = self.executor.forward(batch)
         sample_rids = [rid for rid, need in zip(msg.rids, msg.need_logits) if need]
         out = sampler.sample(sample_rids, logits) if sample_rids else None
         elapsed = time.perf_counter() - t0
         self.steps += 1
         self.forward_s += elapsed
         if out is None:
-            return StepResultMsg(step=msg.step, rids=[], tokens=[], forward_ms=elapsed * 1e3)
+            return StepResultMsg(
+                step=msg.step, rids=[], tokens=[], forward_ms=elapsed * 1e3, **prompt.fields()
+            )
         logprobs: list[float] = []
         top_ids: list[list[int]] = []
         top_lps: list[list[float]] = []
@@ -143,7 +151,48 @@ class ModelRunnerActor(Actor):
             top_ids=top_ids,
             top_logprobs=top_lps,
             forward_ms=elapsed * 1e3,
+            **prompt.fields(),
         )
 
     def stats(self) -> dict[str, int | float]:
         return {"runner_steps": self.steps, "runner_forward_s": round(self.forward_s, 3)}
+
+
+class _PromptLogprobs:
+    """Prompt logprobs of one step: for each request that asked, the logprob of every new
+    token's successor (the chunk's next tokens, then the first token of the next chunk)."""
+
+    def __init__(self) -> None:
+        self.rids: list[int] = []
+        self.counts: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_ids: list[list[int]] = []
+        self.top_logprobs: list[list[float]] = []
+
+    def compute(self, msg: ForwardBatchMsg, inputs: list, per_request: list) -> None:
+        from kernels.logprobs import token_logprobs
+
+        rows = iter(per_request)
+        for i, k in enumerate(msg.prompt_logprobs):
+            if k < 0:
+                continue
+            targets = list(inputs[i][1:])
+            if msg.next_ids[i] >= 0:
+                targets.append(msg.next_ids[i])
+            lps, ids, tops = token_logprobs(next(rows), targets, k)
+            self.rids.append(msg.rids[i])
+            self.counts.append(len(lps))
+            self.logprobs += lps
+            self.top_ids += ids
+            self.top_logprobs += tops
+
+    def fields(self) -> dict:
+        if not self.rids:
+            return {}
+        return {
+            "prompt_rids": self.rids,
+            "prompt_counts": self.counts,
+            "prompt_token_logprobs": self.logprobs,
+            "prompt_top_ids": self.top_ids,
+            "prompt_top_logprobs": self.top_logprobs,
+        }

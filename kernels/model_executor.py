@@ -4,7 +4,7 @@ Per call: apply the batch's slot deltas to the req-to-token replica, build the a
 metadata and let the backend plan (once, not per layer), evaluate RoPE cos/sin once per
 layer type, run the model body over all new tokens, and project only the last token of
 each `need_logits` request through the LM head (never the full vocabulary per prompt
-token).
+token), except for the requests `forward_full` is asked to give every token's logits.
 """
 
 from __future__ import annotations
@@ -65,8 +65,31 @@ class ModelExecutor:
         return self.lm_head(hidden)
 
     @torch.inference_mode()
+    def forward_full(self, batch: ForwardBatch, full: list[bool]) -> tuple[Tensor, list[Tensor]]:
+        """`forward`, plus the logits of every new token of the requests flagged in `full`
+        (float32 [their new tokens, vocab] each, in batch order of the flagged requests;
+        prompt logprobs need them). A flagged request's last-token logits are a row of both."""
+        meta = self._prepare(batch)
+        starts = meta.qo_indptr_host
+        last = [int(starts[i + 1]) - 1 for i, need in enumerate(batch.need_logits) if need]
+        spans = [range(int(starts[i]), int(starts[i + 1])) for i, f in enumerate(full) if f]
+        rows = sorted(set(last).union(*spans))
+        where = {row: k for k, row in enumerate(rows)}
+        hidden = self._body(batch, meta, torch.tensor(rows, dtype=torch.int64, device=self.device))
+        logits = self.lm_head(hidden)
+        picked = logits[torch.tensor([where[r] for r in last], dtype=torch.int64)]
+        per_request = [
+            logits[torch.tensor([where[r] for r in span], dtype=torch.int64)] for span in spans
+        ]
+        return picked, per_request
+
+    @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> Tensor:
         """Final-norm hidden states [num requests with need_logits, hidden]; writes the KV."""
+        meta = self._prepare(batch)
+        return self._body(batch, meta, self._logit_rows(batch, meta))
+
+    def _prepare(self, batch: ForwardBatch) -> AttentionMetadata:
         if batch.slot_deltas is not None:
             d = batch.slot_deltas
             self.req_to_token.apply_slot_deltas(d.rows, d.starts, d.lengths, d.flat_slots)
@@ -74,6 +97,9 @@ class ModelExecutor:
             batch, self.req_to_token, self.kv_cache, self.shape, validate=self.validate
         )
         self.attention.plan(meta)
+        return meta
+
+    def _body(self, batch: ForwardBatch, meta: AttentionMetadata, rows: Tensor | None) -> Tensor:
         rope = {
             layer_type: cache.cos_sin(meta.positions, self.dtype)
             for layer_type, cache in self.rotary.items()
@@ -82,7 +108,7 @@ class ModelExecutor:
         input_ids = torch.from_numpy(batch.flat_input_ids()).to(self.device)
         # The body always runs over every new token (their KV must be written), even when
         # no row is selected (a non-final prefill chunk).
-        return self.model(input_ids, ctx, self._logit_rows(batch, meta))
+        return self.model(input_ids, ctx, rows)
 
     def _logit_rows(self, batch: ForwardBatch, meta: AttentionMetadata) -> Tensor | None:
         """Rows (flat token index) of the last new token of each need_logits request;

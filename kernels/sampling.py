@@ -4,9 +4,10 @@ Owns the step from float32 logits [B, V] to one token per request, with each req
 parameters (``RowParams``) and state (seeded generator, penalty counts). Semantics follow
 vLLM/OpenAI:
 
-1. penalties (in place on ``logits``): repetition_penalty over prompt + output tokens (divide a
-   positive logit, multiply a negative one), then ``frequency_penalty * count`` and
-   ``presence_penalty`` (once) over output tokens;
+1. adjustments (in place on ``logits``): ``logit_bias`` (added to its tokens' logits), then
+   repetition_penalty over prompt + output tokens (divide a positive logit, multiply a
+   negative one), then ``frequency_penalty * count`` and ``presence_penalty`` (once) over
+   output tokens;
 2. greedy requests (temperature == 0) take the argmax of the penalised logits;
 3. otherwise: temperature, then top-k, then top-p over the top-k distribution (the smallest
    prefix of the sorted distribution whose mass reaches top_p; the top token is always kept),
@@ -22,7 +23,7 @@ Choices worth knowing:
   involves a request is computed with row-wise operations whose result does not depend on the
   other rows, so a request's tokens depend only on its seed and its own logits, never on the
   batch it rides in.
-- Logprobs are those of the model distribution after penalties and before temperature,
+- Logprobs are those of the model distribution after bias and penalties, before temperature,
   top-k/top-p/min-p (``log_softmax`` of the penalised logits), as vLLM/OpenAI report them.
 - ``sample`` applies the penalties to the ``logits`` tensor it is given, in place (the caller
   hands over a fresh tensor; no [B, V] copy is made for them). It runs under inference mode,
@@ -67,6 +68,7 @@ class RowParams:
     presence_penalty: float
     logprobs: bool
     top_logprobs: int
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def of(cls, p: Any) -> RowParams:
@@ -81,6 +83,11 @@ class RowParams:
             presence_penalty=float(p.presence_penalty),
             logprobs=bool(p.logprobs),
             top_logprobs=int(p.top_logprobs) if p.logprobs else 0,
+            logit_bias=tuple(
+                sorted(
+                    (int(t), float(b)) for t, b in (getattr(p, "logit_bias", None) or {}).items()
+                )
+            ),
         )
 
     @property
@@ -89,10 +96,12 @@ class RowParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Whether anything edits this row's logits before sampling (bias or penalties)."""
         return (
             self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
+            or bool(self.logit_bias)
         )
 
     @property
@@ -154,6 +163,8 @@ class SamplerState:
         self.seen: _GrowableIds | None = None
         if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
             self.output = _GrowableIds()
+        self.bias_ids = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
+        self.bias_values = np.array([b for _, b in params.logit_bias], dtype=np.float32)
         if params.repetition_penalty != 1.0:
             prompt = np.asarray(prompt_ids, dtype=np.int64)
             if prompt.size and prompt.min() < 0:
@@ -283,8 +294,14 @@ class Sampler:
         rep_factor: list[np.ndarray] = []
         add_index: list[np.ndarray] = []
         add_delta: list[np.ndarray] = []
+        bias_index: list[np.ndarray] = []
+        bias_delta: list[np.ndarray] = []
         for row, state in enumerate(states):
             p = state.params
+            if state.bias_ids.size:
+                _check_ids(state.bias_ids, vocab)
+                bias_index.append(state.bias_ids + row * vocab)
+                bias_delta.append(state.bias_values)
             if state.seen is not None and state.seen.size:
                 ids = state.seen.view_ids()
                 _check_ids(ids, vocab)
@@ -297,6 +314,9 @@ class Sampler:
                 add_delta.append(
                     (-(p.frequency_penalty * counts + p.presence_penalty)).astype(np.float32)
                 )
+        if bias_index:
+            index = torch.from_numpy(np.concatenate(bias_index))
+            flat.index_add_(0, index, torch.from_numpy(np.concatenate(bias_delta)))
         if rep_index:
             index = torch.from_numpy(np.concatenate(rep_index))
             factor = torch.from_numpy(np.concatenate(rep_factor))

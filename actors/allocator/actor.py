@@ -110,7 +110,9 @@ class AllocatorActor(Actor):
         grants = []
         for item in msg.items:
             toks = np.asarray(item.tokens, dtype=np.int64)
-            g = await ledger.alloc_extend(item.rid, toks, item.budget, deltas)
+            g = await ledger.alloc_extend(
+                item.rid, toks, item.budget, deltas, match_prefix=item.match_prefix
+            )
             if g is None:
                 grants.append(ExtendGrantItem(rid=item.rid, row=-1, cached_len=0, start=0, end=0))
             else:

@@ -89,14 +89,20 @@ class KvLedger:
 
     # ---- extend (admission and prefill chunks) -------------------------------------------
     async def alloc_extend(
-        self, rid: int, tokens: np.ndarray, budget: int, deltas: list[SlotDelta]
+        self,
+        rid: int,
+        tokens: np.ndarray,
+        budget: int,
+        deltas: list[SlotDelta],
+        match_prefix: bool = True,
     ) -> ExtendGrant | None:
         """Reserve and commit KV for the next prefill chunk of `rid` (at most `budget` tokens).
 
         `tokens` are all tokens known for the request (prompt, plus output after a
         retraction). A request not holding a row is admitted: prefix match (leaving at
         least one token to compute), row, slots. Returns None, changing nothing, when pages
-        or rows run out even after eviction.
+        or rows run out even after eviction. `match_prefix=False` skips the prefix tree at
+        admission (every token is computed; prompt logprobs need their logits).
         """
         self.check_extend(rid, len(tokens), budget)
         total = len(tokens)
@@ -106,7 +112,7 @@ class KvLedger:
         if admitting:
             if self.table.num_free_rows == 0:
                 return None
-            if self.tree is not None and total > 1:
+            if self.tree is not None and total > 1 and match_prefix:
                 match = await self.tree.match_and_lock(tokens[: total - 1])
                 if match.length:
                     cached, node, prefix_slots = match.length, match.node_id, match.slots

@@ -1,11 +1,13 @@
 """bin/engine: serve | generate | bench.
 
-  bin/engine serve [--config F] [--host H] [--port P] [--api-key K] [--zmq ADDR] [--set k=v ...]
+  bin/engine serve [MODEL] [vLLM-style flags] [--zmq ADDR] [--config F] [--set k=v ...]
   bin/engine generate "prompt" [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]
                       [--seed S] [--stop STR ...] [--chat] [--set k=v ...]
   bin/engine bench {transport,model,lm_head,engine,serving,serve,offline} [...]
 
-`--set section.key=value` overrides any config key (values parsed as TOML scalars).
+MODEL is a .gguf file or a Hugging Face folder (default: the embedded Gemma 3 270M).
+Precedence, lowest first: the config file, KVACTOR_<SECTION>_<KEY> environment variables,
+`--set section.key=value` (values parsed as TOML scalars), then the named flags.
 """
 
 from __future__ import annotations
@@ -19,16 +21,60 @@ import anyio
 
 
 def load_config(config_path: str | None, pairs: list[str] | None, **extra):
-    """The config of a command: file, then `--set` pairs, then `extra` ("section.key");
-    exits with the message naming the bad key (before anything starts)."""
-    from actors.app.config import ConfigError, EngineConfig, parse_overrides
+    """The config of a command: file, environment, `--set` pairs, then `extra`
+    ("section.key"); exits with the message naming the bad key (before anything starts)."""
+    import os
+
+    from actors.app.config import ConfigError, EngineConfig, env_overrides, parse_overrides
 
     try:
-        overrides = parse_overrides(pairs)
+        overrides = env_overrides(os.environ)
+        overrides.update(parse_overrides(pairs))
         overrides.update(extra)
         return EngineConfig.load(config_path, overrides)
     except ConfigError as exc:
         raise SystemExit(f"bin/engine: {exc}") from None
+
+
+# flag, config key, type, help: the vLLM flags that mean the same thing here
+SERVE_FLAGS = [
+    ("--host", "server.host", str, "address to bind (default 127.0.0.1)"),
+    ("--port", "server.port", int, "HTTP port (default 8000)"),
+    ("--api-key", "server.api_key", str, "require 'Authorization: Bearer KEY' on /v1"),
+    ("--max-model-len", "kv.context_len", int, "tokens per request, prompt + output"),
+    ("--dtype", "model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 where native)"),
+    ("--max-num-seqs", "scheduler.max_running_requests", int, "requests decoding at once"),
+    ("--chat-template", "server.chat_template", str, "a chat template file (or its text)"),
+    (
+        "--generation-config",
+        "model.generation_config",
+        str,
+        "auto | none | a folder with generation_config.json (request defaults)",
+    ),
+]
+
+
+def serve_overrides(args) -> dict:
+    """The config keys the serve command's MODEL and flags set."""
+    out: dict = {}
+    if args.model is not None:
+        out["model.path"] = args.model
+    for flag, key, _kind, _text in SERVE_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            out[key] = value
+    if args.max_num_seqs is not None and not any(
+        pair.startswith("kv.max_rows=") for pair in args.set or ()
+    ):
+        out["kv.max_rows"] = args.max_num_seqs  # a row for every request that may run
+    if args.served_model_name:
+        out["server.model_name"] = args.served_model_name[0]
+        out["server.aliases"] = args.served_model_name[1:]
+    if args.prefix_caching is not None:
+        out["kv.radix"] = args.prefix_caching
+    if args.allowed_origins:
+        out["server.allowed_origins"] = args.allowed_origins
+    return out
 
 
 def _config(args, **extra):
@@ -39,13 +85,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bin/engine", description="kvactor LLM serving engine")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (+ ZeroMQ endpoint)")
-    serve.add_argument("--config")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--api-key")
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (+ ZeroMQ endpoint)",
+        description="Serve MODEL over an OpenAI-compatible HTTP API. Flags mean what vLLM's do.",
+    )
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a .gguf file or a Hugging Face folder (default: embedded Gemma 3)",
+    )
+    serve.add_argument("--config", help="a TOML config (default: configs/default.toml)")
+    for flag, _key, kind, text in SERVE_FLAGS:
+        serve.add_argument(flag, type=kind, default=None, help=text)
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="names requests may use (the first is the main one)",
+    )
+    serve.add_argument(
+        "--enable-prefix-caching",
+        dest="prefix_caching",
+        action="store_true",
+        default=None,
+        help="prefix (radix) caching, on by default",
+    )
+    serve.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    serve.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        help='CORS origins ("*" for any); off by default',
+    )
     serve.add_argument("--zmq", help="ZeroMQ client endpoint, e.g. tcp://127.0.0.1:5557")
-    serve.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    serve.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="any config key, e.g. --set kv.num_pages=4096",
+    )
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal")
     gen.add_argument("prompt")
@@ -116,17 +196,20 @@ async def _generate(args) -> int:
 
 
 async def _serve(args) -> int:
+    from actors.app.config import ConfigError
+    from actors.app.model_info import served_names
     from actors.app.serving import ServingEngine
     from actors.app.specs import serving_specs
 
-    extra = {}
-    for key, value in (("host", args.host), ("port", args.port), ("api_key", args.api_key)):
-        if value is not None:
-            extra[f"server.{key}"] = value
-    cfg = load_config(args.config, args.set, **extra)
-    async with ServingEngine(cfg, extra_specs=serving_specs(cfg, zmq_address=args.zmq)) as eng:
+    cfg = load_config(args.config, args.set, **serve_overrides(args))
+    try:
+        specs = serving_specs(cfg, zmq_address=args.zmq)
+    except ConfigError as exc:
+        raise SystemExit(f"bin/engine: {exc}") from None
+    async with ServingEngine(cfg, extra_specs=specs) as eng:
         print(
-            f"kvactor serving {cfg.server.model_name} on http://{cfg.server.host}:{cfg.server.port}"
+            f"kvactor serving {', '.join(served_names(cfg))} on "
+            f"http://{cfg.server.host}:{cfg.server.port}"
             + (f" and {args.zmq}" if args.zmq else ""),
             file=sys.stderr,
             flush=True,

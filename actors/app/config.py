@@ -37,6 +37,9 @@ class ModelSection(_Section):
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16"] = "auto"
     attention: Literal["torch"] = "torch"
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
+    # generation defaults: "auto" = the model folder's generation_config.json (if any),
+    # "none" = the engine's own, or a folder holding a generation_config.json
+    generation_config: str = "auto"
 
 
 class KvSection(_Section):
@@ -66,7 +69,10 @@ class ServerSection(_Section):
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str = ""  # "" = no auth
-    model_name: str = "gemma-3-270m"
+    model_name: str = ""  # "" = the model's own name (the path given, or gemma-3-270m)
+    aliases: list[str] = msgspec.field(default_factory=list)  # more names it answers to
+    chat_template: str = ""  # "" = the model's; else a file path or the template itself
+    allowed_origins: list[str] = msgspec.field(default_factory=list)  # CORS; [] = off
 
 
 class EngineConfig(_Section):
@@ -132,6 +138,30 @@ class EngineConfig(_Section):
                 raise ConfigError(message)
 
 
+ENV_PREFIX = "KVACTOR_"
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """`KVACTOR_<SECTION>_<KEY>=value` for every config section (e.g. KVACTOR_KV_NUM_PAGES=64);
+    other KVACTOR_* variables (KVACTOR_LOG_LEVEL, KVACTOR_CACHE, ...) are not config keys."""
+    sections = {f.name for f in msgspec.structs.fields(EngineConfig)}
+    out: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
+        if section in sections and key:
+            out[f"{section}.{key}"] = _scalar(raw)
+    return out
+
+
+def _scalar(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
 def parse_overrides(pairs: Iterable[str] | None) -> dict[str, Any]:
     """`["kv.num_pages=64", ...]` -> `{"kv.num_pages": 64}` (values parsed as TOML scalars,
     else kept as the raw string, which the typed decode then accepts or names)."""
@@ -140,11 +170,7 @@ def parse_overrides(pairs: Iterable[str] | None) -> dict[str, Any]:
         key, sep, raw = pair.partition("=")
         if not sep or "." not in key:
             raise ConfigError(f"--set expects section.key=value, got {pair!r}")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        out[key.strip()] = value
+        out[key.strip()] = _scalar(raw)
     return out
 
 

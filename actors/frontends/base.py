@@ -108,6 +108,7 @@ class GenerationResult:
     ttft_s: float
     total_s: float
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # prompt tokens 1.. when asked for
 
 
 class EngineClient:
@@ -133,6 +134,8 @@ class EngineClient:
         client_rid: str | None = None,
         on_accepted=None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> AsyncIterator[OutputChunk]:
         rid = client_rid or self.new_rid()
         recv = self.router.open(rid)
@@ -148,6 +151,8 @@ class EngineClient:
                         prompt_ids=prompt_ids,
                         messages=messages,
                         add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        chat_template_kwargs=chat_template_kwargs or {},
                     ),
                     expect=Accepted,
                 )
@@ -175,6 +180,7 @@ class EngineClient:
         texts: list[str] = []
         ids: list[int] = []
         lps: list = []
+        prompt_lps: list = []
         last = None
         async for chunk in self.generate(params, **prompt):
             if ttft is None and chunk.token_ids:
@@ -182,6 +188,7 @@ class EngineClient:
             texts.append(chunk.text)
             ids.extend(chunk.token_ids)
             lps.extend(chunk.logprobs)
+            prompt_lps.extend(chunk.prompt_logprobs)
             last = chunk
         return GenerationResult(
             client_rid=last.client_rid,
@@ -193,4 +200,5 @@ class EngineClient:
             ttft_s=ttft if ttft is not None else time.perf_counter() - t0,
             total_s=time.perf_counter() - t0,
             logprobs=lps,
+            prompt_logprobs=prompt_lps,
         )

@@ -239,7 +239,13 @@ class SchedulerActor(Actor):
             self.alloc,
             AllocExtend(
                 items=[
-                    ExtendItem(rid=c.req.rid, tokens=c.req.tokens, budget=c.budget) for c in chunks
+                    ExtendItem(
+                        rid=c.req.rid,
+                        tokens=c.req.tokens,
+                        budget=c.budget,
+                        match_prefix=c.req.params.prompt_logprobs is None,
+                    )
+                    for c in chunks
                 ]
             ),
             expect=AllocExtendReply,
@@ -253,6 +259,6 @@ class SchedulerActor(Actor):
 
     async def _flush(self, out: StepOutbox) -> None:
         await self._send_releases(out)
-        if out.reports:
+        if out.has_news:
             self.step_messages += 1
             await self.tokenizer.send(out.token_batch())

@@ -69,6 +69,28 @@ class StepOutbox:
     releases: list[ReleaseItem] = field(default_factory=list)  # not yet sent
     reports: list[Report] = field(default_factory=list)
     released: int = 0  # releases already sent this step
+    # prompt logprobs of this step: (rid, first prompt position, logprobs, top ids, top lps)
+    prompt: list[tuple[int, int, list[float], list[list[int]], list[list[float]]]] = field(
+        default_factory=list
+    )
+
+    def prompt_logprobs(self, result: StepResultMsg, work: dict[int, PrefillWork]) -> None:
+        """Take the step's prompt logprobs; each covers prompt tokens start + 1 onward."""
+        pos = 0
+        for rid, n in zip(result.prompt_rids, result.prompt_counts):
+            w = work[rid]
+            first = w.start + 1
+            self.prompt.append(
+                (
+                    rid,
+                    first,
+                    result.prompt_token_logprobs[pos : pos + n],
+                    result.prompt_top_ids[pos : pos + n],
+                    result.prompt_top_logprobs[pos : pos + n],
+                )
+            )
+            w.req.prompt_lp_next = first + n
+            pos += n
 
     def take_releases(self) -> list[ReleaseItem]:
         items, self.releases = self.releases, []
@@ -82,8 +104,13 @@ class StepOutbox:
     def any_finish(self) -> bool:
         return any(r.finish for r in self.reports)
 
+    @property
+    def has_news(self) -> bool:
+        """Something for the tokenizer: token reports or prompt logprobs."""
+        return bool(self.reports or self.prompt)
+
     def token_batch(self) -> TokenBatch:
-        rids, counts, toks, finish, cached = [], [], [], [], []
+        rids, counts, toks, finish, cached, queued = [], [], [], [], [], []
         logprobs, top_ids, top_lps = [], [], []
         any_lp = any(t.logprob is not None for r in self.reports for t in r.tokens)
         for rep in self.reports:
@@ -94,9 +121,11 @@ class StepOutbox:
             finish.append(str(rep.finish))
             if not req.cached_reported and req.cached_tokens >= 0:
                 cached.append(req.cached_tokens)
+                queued.append(req.queued_s)
                 req.cached_reported = True
             else:
                 cached.append(-1)
+                queued.append(-1.0)
             if any_lp:
                 for t in rep.tokens:
                     logprobs.append(0.0 if t.logprob is None else t.logprob)
@@ -111,6 +140,13 @@ class StepOutbox:
             logprobs=logprobs,
             top_ids=top_ids,
             top_logprobs=top_lps,
+            queued_s=queued,
+            prompt_rids=[p[0] for p in self.prompt],
+            prompt_starts=[p[1] for p in self.prompt],
+            prompt_counts=[len(p[2]) for p in self.prompt],
+            prompt_token_logprobs=[x for p in self.prompt for x in p[2]],
+            prompt_top_ids=[x for p in self.prompt for x in p[3]],
+            prompt_top_logprobs=[x for p in self.prompt for x in p[4]],
         )
 
 
@@ -155,6 +191,7 @@ def forward_batch(
         ext.append(1)
         ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
         need.append(True)
+    prompt_lps, next_ids = [-1] * len(decode), [-1] * len(decode)
     for work in prefill:
         req = work.req
         rids.append(req.rid)
@@ -163,6 +200,14 @@ def forward_batch(
         ext.append(work.end - work.start)
         ids.extend(req.tokens[work.start : work.end])
         need.append(work.is_last_chunk)
+        if req.wants_prompt_logprobs:
+            prompt_lps.append(req.params.prompt_logprobs or 0)
+            next_ids.append(req.prompt_ids[work.end] if work.end < len(req.prompt_ids) else -1)
+        else:
+            prompt_lps.append(-1)
+            next_ids.append(-1)
+    if all(k < 0 for k in prompt_lps):
+        prompt_lps, next_ids = [], []
     new: list[Req] = []
     for req in [*decode, *(w.req for w in prefill)]:
         if not req.registered and req not in new:
@@ -178,5 +223,7 @@ def forward_batch(
         deltas=merge_deltas(deltas),
         new_reqs=[runner_request(r) for r in new],
         finished_rids=list(finished_rids),
+        prompt_logprobs=prompt_lps,
+        next_ids=next_ids,
     )
     return batch, new

@@ -11,6 +11,7 @@ and `running` (decoding) while it is in `reqs`; it leaves `reqs` when it finishe
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class SchedulerCore:
         twice = sorted({r for r in rids if r in self.reqs or rids.count(r) > 1})
         if twice:
             raise DuplicateRequest(f"request ids {twice[:8]} are already scheduled")
+        now = time.monotonic()
         for n in new:
             p = n.params
             req = Req(
@@ -76,6 +78,7 @@ class SchedulerCore:
                 params=p,
                 eos_ids=frozenset(() if p.ignore_eos else n.eos_ids),
                 stop_ids=frozenset(p.stop_token_ids),
+                arrived_at=now,
             )
             self.reqs[req.rid] = req
             self.waiting.append(req)
@@ -193,6 +196,7 @@ class SchedulerCore:
                 self.prefilling.append(req)
                 if req.cached_tokens < 0:
                     req.cached_tokens = g.cached_len
+                    req.queued_s = time.monotonic() - req.arrived_at
                     self.counters.cached_tokens += g.cached_len
             req.committed = g.end
             req.row = g.row
@@ -219,6 +223,7 @@ class SchedulerCore:
     ) -> list[Req]:
         """Fold the sampled tokens in; returns requests whose prefill is still unfinished."""
         sampled = sampled_tokens(result)
+        out.prompt_logprobs(result, {w.req.rid: w for w in prefill})
         unfinished: list[Req] = []
         for work in prefill:
             req = work.req

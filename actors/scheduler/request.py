@@ -28,6 +28,9 @@ class Req:
     cached_tokens: int = -1  # prompt tokens served from the prefix cache, set at admission
     cached_reported: bool = False
     retractions: int = 0
+    arrived_at: float = 0.0  # time.monotonic() at submit
+    queued_s: float = -1.0  # seconds from submit to its first admission
+    prompt_lp_next: int = 1  # with prompt_logprobs: the next prompt token whose logprob is due
 
     @property
     def tokens(self) -> list[int]:
@@ -40,6 +43,13 @@ class Req:
     @property
     def remaining_new(self) -> int:
         return max(self.params.max_tokens - len(self.output_ids), 0)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute (first admission only; never after retraction)."""
+        return self.params.prompt_logprobs is not None and self.prompt_lp_next < len(
+            self.prompt_ids
+        )
 
     @property
     def prefill_left(self) -> int:

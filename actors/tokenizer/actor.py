@@ -11,7 +11,7 @@ emitted, and the scheduler is told to end the request.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
@@ -30,6 +30,8 @@ from transport.messages.control import ErrorReply
 from transport.messages.engine import (
     AbortGeneration,
     Accepted,
+    DetokenizeReply,
+    DetokenizeRequest,
     EndRequests,
     FinishReason,
     GenerateRequest,
@@ -39,6 +41,8 @@ from transport.messages.engine import (
     OutputChunk,
     SubmitRequests,
     TokenBatch,
+    TokenizeReply,
+    TokenizeRequest,
     TokenLogprob,
 )
 
@@ -55,14 +59,24 @@ class _Stream:
     cached_tokens: int = 0
     completion_tokens: int = 0
     stopped: bool = False  # a stop string or id ended the text; later tokens are dropped
+    prompt_ids: list[int] | None = None  # kept only when prompt logprobs are asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent
+    queue_time_s: float = -1.0
 
 
 class TokenizerActor(Actor):
-    inbox = GenerateRequest | AbortGeneration | TokenBatch
+    inbox = GenerateRequest | AbortGeneration | TokenBatch | TokenizeRequest | DetokenizeRequest
 
-    def __init__(self, context_len: int, model: str | None = None, scheduler: str = "scheduler"):
+    def __init__(
+        self,
+        context_len: int,
+        model: str | None = None,
+        scheduler: str = "scheduler",
+        chat_template: str | None = None,
+    ):
         self.model_path = model
         self.context_len = context_len
+        self.chat_template_override = chat_template
         self.scheduler_name = scheduler
         self.streams: dict[int, _Stream] = {}
         self.by_client: dict[str, int] = {}
@@ -73,6 +87,7 @@ class TokenizerActor(Actor):
 
         self.bundle = await anyio.to_thread.run_sync(load_tokenizer, self.model_path)
         self.vocab = self.bundle.vocab_size
+        self.chat_template = self.chat_template_override or self.bundle.chat_template
         self.scheduler = self.ref(self.scheduler_name)
 
     # ---- requests ------------------------------------------------------------------------
@@ -85,6 +100,17 @@ class TokenizerActor(Actor):
                 return await self._on_generate(msg)
             except BadRequest as exc:
                 return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
+        if isinstance(msg, TokenizeRequest):
+            try:
+                return await self._tokenize(msg)
+            except BadRequest as exc:
+                return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
+        if isinstance(msg, DetokenizeRequest):
+            try:
+                check_prompt_ids(msg.tokens, self.vocab)
+            except BadRequest as exc:
+                return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
+            return DetokenizeReply(prompt=self.bundle.tokenizer.decode(msg.tokens))
         if isinstance(msg, AbortGeneration):
             rids = [self.by_client[c] for c in msg.client_rids if c in self.by_client]
             if rids:
@@ -99,20 +125,69 @@ class TokenizerActor(Actor):
             return list(msg.prompt_ids)
         if msg.prompt is not None:
             return await self._encode(msg.prompt, True)
-        template = self.bundle.chat_template
-        if not template:
+        text = self._render(
+            msg.messages,
+            msg.add_generation_prompt,
+            msg.continue_final_message,
+            msg.chat_template_kwargs,
+        )
+        return await self._encode(text, False)
+
+    def _render(
+        self, messages, add_generation_prompt: bool, continue_final: bool, kwargs: dict
+    ) -> str:
+        """The chat template's text for `messages`. With `continue_final`, the last message
+        (the assistant's, as vLLM's continue_final_message) is left open for the model."""
+        if not self.chat_template:
             raise BadRequest("this model has no chat template; use a plain prompt")
+        if continue_final and add_generation_prompt:
+            raise BadRequest(
+                "continue_final_message: cannot be combined with add_generation_prompt"
+            )
+        dicts = [_msg_dict(m) for m in messages]
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+        if reserved & set(kwargs):
+            raise BadRequest(
+                f"chat_template_kwargs: {sorted(reserved & set(kwargs))} are set by the engine"
+            )
         try:
             text = render_chat(
-                template,
-                [_msg_dict(m) for m in msg.messages],
-                add_generation_prompt=msg.add_generation_prompt,
+                self.chat_template,
+                dicts,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=self.bundle.bos_token or "",
                 eos_token=self.bundle.eos_token or "",
+                **kwargs,
             )
         except ChatTemplateError as exc:
             raise BadRequest(f"messages: {exc}") from None
-        return await self._encode(text, False)
+        if continue_final:
+            final = dicts[-1].get("content")
+            final = (
+                final if isinstance(final, str) else "".join(p.get("text", "") for p in final or [])
+            )
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise BadRequest(
+                    "continue_final_message: the template does not show the final message's text"
+                )
+            text = text[: at + len(final)]
+        return text
+
+    async def _tokenize(self, msg: TokenizeRequest) -> TokenizeReply:
+        if (msg.prompt is None) == (msg.messages is None):
+            raise BadRequest("give exactly one of prompt, messages")
+        if msg.prompt is not None:
+            ids = await self._encode(msg.prompt, msg.add_special_tokens)
+        else:
+            text = self._render(
+                msg.messages,
+                msg.add_generation_prompt,
+                msg.continue_final_message,
+                msg.chat_template_kwargs,
+            )
+            ids = await self._encode(text, False)
+        return TokenizeReply(tokens=ids, max_model_len=self.context_len)
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # Long texts are encoded off the event loop so the scheduler and the gateway,
@@ -136,7 +211,14 @@ class TokenizerActor(Actor):
             stop_token_ids=p.stop_token_ids,
             include_stop_str_in_output=p.include_stop_str_in_output,
         )
-        self.streams[rid] = _Stream(msg.client_rid, msg.reply_to, detok, p, len(ids))
+        self.streams[rid] = _Stream(
+            msg.client_rid,
+            msg.reply_to,
+            detok,
+            p,
+            len(ids),
+            prompt_ids=list(ids) if p.prompt_logprobs is not None else None,
+        )
         self.by_client[msg.client_rid] = rid
         eos = [] if p.ignore_eos else list(self.bundle.eos_ids)
         await self.scheduler.send(
@@ -148,8 +230,12 @@ class TokenizerActor(Actor):
     async def _on_tokens(self, batch: TokenBatch) -> None:
         out: dict[str, list[OutputChunk]] = {}
         stop_now: list[int] = []
+        self._take_prompt_logprobs(batch)
         pos = 0
-        for rid, n, finish, cached in zip(batch.rids, batch.counts, batch.finish, batch.cached):
+        queued = batch.queued_s or [-1.0] * len(batch.rids)
+        for rid, n, finish, cached, waited in zip(
+            batch.rids, batch.counts, batch.finish, batch.cached, queued
+        ):
             toks = batch.tokens[pos : pos + n]
             first = pos
             pos += n
@@ -158,6 +244,7 @@ class TokenizerActor(Actor):
                 continue
             if cached >= 0:
                 st.cached_tokens = cached
+                st.queue_time_s = waited
             if st.stopped:
                 if finish:
                     self._close(rid)
@@ -192,14 +279,43 @@ class TokenizerActor(Actor):
                     cached_tokens=st.cached_tokens,
                     logprobs=lps,
                     stop_matched=matched,
+                    prompt_logprobs=st.prompt_logprobs,
+                    queue_time_s=st.queue_time_s,
                 )
             )
+            st.prompt_logprobs = []
+            st.queue_time_s = -1.0
             if finish:
                 self._close(rid)
         if stop_now:
             await self.scheduler.send(EndRequests(rids=stop_now, reason=FinishReason.STOP))
         for dest, chunks in out.items():
             await self.ref(dest).send(OutputBatch(chunks=chunks))
+
+    def _take_prompt_logprobs(self, batch: TokenBatch) -> None:
+        """Prompt logprobs ride with the request's next output chunk."""
+        dec = self.bundle.tokenizer.decode
+        pos = 0
+        for rid, start, n in zip(batch.prompt_rids, batch.prompt_starts, batch.prompt_counts):
+            st = self.streams.get(rid)
+            if st is not None and st.prompt_ids is not None:
+                for j in range(n):
+                    tok = st.prompt_ids[start + j]
+                    top = [
+                        (t, dec([t], skip_special_tokens=False), lp)
+                        for t, lp in zip(
+                            batch.prompt_top_ids[pos + j], batch.prompt_top_logprobs[pos + j]
+                        )
+                    ]
+                    st.prompt_logprobs.append(
+                        TokenLogprob(
+                            token_id=tok,
+                            text=dec([tok], skip_special_tokens=False),
+                            logprob=batch.prompt_token_logprobs[pos + j],
+                            top=top,
+                        )
+                    )
+            pos += n
 
     def _close(self, rid: int) -> None:
         st = self.streams.pop(rid, None)

@@ -219,3 +219,42 @@ async def test_tiny_pool_64_requests_complete_with_retraction(tiny_engine, engin
     assert after.evicted_pages > before.evicted_pages, "the tiny pool should have evicted"
     for ref, got in zip(reference, results):
         assert got.token_ids == ref.token_ids
+
+
+async def test_prompt_logprobs_equal_hf_log_softmax(engine, tokenizer, hf_model):
+    """Every prompt token after the first gets its logprob, as HF's log_softmax gives it,
+    also across prefill chunks (chunk 256) and with the prompt's prefix already cached."""
+    import torch
+
+    ids = tokenizer.encode(natural_text()[:1500])
+    assert len(ids) > 300  # more than one prefill chunk
+    warm = GenerationParams(max_tokens=1, temperature=0.0)
+    await engine.client.complete(warm, prompt_ids=ids)  # its prefix is now in the tree
+    params = GenerationParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    res = await engine.client.complete(params, prompt_ids=ids)
+    assert res.cached_tokens == 0  # prompt logprobs need every token's logits
+    assert [lp.token_id for lp in res.prompt_logprobs] == ids[1:]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    got = torch.tensor([lp.logprob for lp in res.prompt_logprobs])
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert all(len(lp.top) == 2 for lp in res.prompt_logprobs)
+    best = ref[0].topk(2)
+    assert [t for t, _, _ in res.prompt_logprobs[0].top] == best.indices.tolist()
+
+
+async def test_logit_bias_forbids_and_forces(engine, tokenizer):
+    ids = tokenizer.encode("Count with me: 1, 2, 3, 4, 5,")
+    plain = await engine.client.complete(
+        GenerationParams(max_tokens=4, temperature=0.0), prompt_ids=ids
+    )
+    first = plain.token_ids[0]
+    banned = await engine.client.complete(
+        GenerationParams(max_tokens=4, temperature=0.0, logit_bias={first: -100.0}), prompt_ids=ids
+    )
+    assert first not in banned.token_ids
+    forced = await engine.client.complete(
+        GenerationParams(max_tokens=3, temperature=0.0, logit_bias={1234: 100.0}), prompt_ids=ids
+    )
+    assert forced.token_ids == [1234, 1234, 1234]

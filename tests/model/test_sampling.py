@@ -457,3 +457,18 @@ def test_sampler_thread_setting_is_scoped_to_the_call() -> None:
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="num_threads"):
         Sampler(num_threads=0)
+
+
+def test_logit_bias_forbids_and_forces_tokens() -> None:
+    logits = _random_logits(3, 1000, seed=11)
+    top = int(logits[0].argmax())
+    sampler = _sampler_with(
+        {
+            1: SamplingParams(temperature=0.0, logit_bias={top: -100.0}),
+            2: SamplingParams(temperature=0.0, logit_bias={7: 100.0}),
+            3: SamplingParams(temperature=0.8, seed=1, logit_bias={9: 100.0}),
+        }
+    )
+    out = sampler.sample([1, 2, 3], logits.clone())
+    assert out.tokens[0] != top
+    assert out.tokens[1] == 7 and out.tokens[2] == 9

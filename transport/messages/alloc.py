@@ -26,6 +26,7 @@ class ExtendItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
     rid: int
     tokens: list[int]  # every token known for the request (prompt, plus output after a retraction)
     budget: int  # at most this many tokens computed in this chunk
+    match_prefix: bool = True  # False: compute every token (prompt logprobs need the logits)
 
 
 class ExtendGrantItem(msgspec.Struct, array_like=True, frozen=True, gc=False):

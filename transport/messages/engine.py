@@ -35,6 +35,33 @@ class GenerateRequest(Message):
     prompt_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last (assistant) message open
+    chat_template_kwargs: dict[str, str | int | float | bool | None] = {}
+
+
+class TokenizeRequest(Message):
+    """Call to the tokenizer (the /tokenize endpoint): a prompt or chat messages to ids."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt
+    add_generation_prompt: bool = True  # for messages
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, str | int | float | bool | None] = {}
+
+
+class TokenizeReply(Message):
+    tokens: list[int]
+    token_strs: list[str] = []
+    max_model_len: int = 0
+
+
+class DetokenizeRequest(Message):
+    tokens: list[int]
+
+
+class DetokenizeReply(Message):
+    prompt: str
 
 
 class Accepted(Message):
@@ -86,6 +113,15 @@ class TokenBatch(HotMessage):
     logprobs: list[float] = []  # per token in `tokens`, when any request asked
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
+    queued_s: list[float] = []  # per rid: seconds it waited before admission (first report)
+    # Prompt logprobs (as StepResultMsg): logprob of prompt token j given the tokens before it,
+    # for j from `prompt_starts[i]` on, `prompt_counts[i]` of them.
+    prompt_rids: list[int] = []
+    prompt_starts: list[int] = []
+    prompt_counts: list[int] = []
+    prompt_token_logprobs: list[float] = []
+    prompt_top_ids: list[list[int]] = []
+    prompt_top_logprobs: list[list[float]] = []
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -105,6 +141,8 @@ class OutputChunk(msgspec.Struct, array_like=True, frozen=True, gc=False):
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = []
     stop_matched: str | int | None = None
+    prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1.. (with prompt_logprobs)
+    queue_time_s: float = -1.0  # seconds waiting for admission (first chunk only)
 
 
 class OutputBatch(HotMessage):

@@ -21,6 +21,8 @@ SEED_LIMIT: Final = 2**63  # seeds are in [0, 2^63): a signed 64-bit integer, as
 MAX_TOP_LOGPROBS: Final = 20
 MAX_STOP_STRINGS: Final = 16
 MAX_STOP_STRING_CHARS: Final = 256
+MAX_LOGIT_BIAS_ENTRIES: Final = 1024
+MAX_ABS_LOGIT_BIAS: Final = 100.0
 
 
 class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -41,6 +43,10 @@ class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
+    # logprobs of every prompt token after the first, with this many top alternatives
+    # (None: off); such a request does not use the prefix cache (its logits are needed)
+    prompt_logprobs: int | None = None
 
 
 class InvalidParams(ValueError):
@@ -118,10 +124,32 @@ def validate_params(p: GenerationParams, vocab_size: int | None = None) -> None:
             "stop",
             f"stop strings must have 1..{MAX_STOP_STRING_CHARS} characters",
         )
+    check(
+        len(p.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
+        "logit_bias",
+        f"at most {MAX_LOGIT_BIAS_ENTRIES} entries",
+    )
+    for t, bias in p.logit_bias.items():
+        check(
+            math.isfinite(bias) and -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS,
+            "logit_bias",
+            f"biases must be in [-100, 100], got {bias} for token {t}",
+        )
+    check(
+        p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_TOP_LOGPROBS,
+        "prompt_logprobs",
+        f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.prompt_logprobs}",
+    )
     if vocab_size is not None:
         for t in p.stop_token_ids:
             check(
                 0 <= t < vocab_size,
                 "stop_token_ids",
+                f"token id {t} outside the vocabulary [0, {vocab_size})",
+            )
+        for t in p.logit_bias:
+            check(
+                0 <= t < vocab_size,
+                "logit_bias",
                 f"token id {t} outside the vocabulary [0, {vocab_size})",
             )

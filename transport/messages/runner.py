@@ -35,6 +35,10 @@ class ForwardBatchMsg(HotMessage):
     deltas: SlotDeltas
     new_reqs: list[RunnerRequest] = []
     finished_rids: list[int] = []
+    # Per request, when any asks (else empty): logprobs of every new token's successor with
+    # this many alternatives (-1: none), and the token after this chunk (-1: none).
+    prompt_logprobs: list[int] = []
+    next_ids: list[int] = []
 
 
 class StepResultMsg(HotMessage):
@@ -45,3 +49,9 @@ class StepResultMsg(HotMessage):
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
     forward_ms: float = 0.0
+    # Prompt logprobs, per request that asked: `prompt_counts[i]` positions, flat.
+    prompt_rids: list[int] = []
+    prompt_counts: list[int] = []
+    prompt_token_logprobs: list[float] = []
+    prompt_top_ids: list[list[int]] = []
+    prompt_top_logprobs: list[list[float]] = []
