@@ -166,6 +166,7 @@ class _PromptLogprobs:
         self.rids: list[int] = []
         self.counts: list[int] = []
         self.logprobs: list[float] = []
+        self.ranks: list[int] = []
         self.top_ids: list[list[int]] = []
         self.top_logprobs: list[list[float]] = []
 
@@ -179,10 +180,11 @@ class _PromptLogprobs:
             targets = list(inputs[i][1:])
             if msg.next_ids[i] >= 0:
                 targets.append(msg.next_ids[i])
-            lps, ids, tops = token_logprobs(next(rows), targets, k)
+            lps, ranks, ids, tops = token_logprobs(next(rows), targets, k)
             self.rids.append(msg.rids[i])
             self.counts.append(len(lps))
             self.logprobs += lps
+            self.ranks += ranks
             self.top_ids += ids
             self.top_logprobs += tops
 
@@ -193,6 +195,7 @@ class _PromptLogprobs:
             "prompt_rids": self.rids,
             "prompt_counts": self.counts,
             "prompt_token_logprobs": self.logprobs,
+            "prompt_ranks": self.ranks,
             "prompt_top_ids": self.top_ids,
             "prompt_top_logprobs": self.top_logprobs,
         }

@@ -73,6 +73,7 @@ class ServerSection(_Section):
     aliases: list[str] = msgspec.field(default_factory=list)  # more names it answers to
     chat_template: str = ""  # "" = the model's; else a file path or the template itself
     allowed_origins: list[str] = msgspec.field(default_factory=list)  # CORS; [] = off
+    sse_keepalive_s: float = 5.0  # a stream silent this long gets an SSE comment
 
 
 class EngineConfig(_Section):

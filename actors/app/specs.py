@@ -9,6 +9,7 @@ HTTP gateway and, when asked, the ZeroMQ endpoint). With `engine.transport = "ip
 from __future__ import annotations
 
 from actors.app.config import EngineConfig
+from actors.app.model_info import generation_defaults, read_chat_template, served_names
 from actors.frontends.base import FrontendActor
 from actors.runtime import ActorSpec
 
@@ -81,7 +82,9 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
         ActorSpec(
             "tokenizer",
             "actors.tokenizer.actor:TokenizerActor",
-            dict(context_len=kv.context_len, model=model_path),
+            dict(
+                context_len=kv.context_len, model=model_path, chat_template=read_chat_template(cfg)
+            ),
             group=group("tokenizer", "main"),
         ),
         # The in-process frontend is shared with its owner (ServingEngine), so it stays here.
@@ -111,8 +114,11 @@ def serving_specs(cfg: EngineConfig, zmq_address: str | None = None) -> list[Act
                 host=srv.host,
                 port=srv.port,
                 api_key=srv.api_key or None,
-                model_name=srv.model_name,
+                model_names=served_names(cfg),
                 context_len=cfg.kv.context_len,
+                generation_defaults=generation_defaults(cfg),
+                allowed_origins=srv.allowed_origins,
+                sse_keepalive_s=srv.sse_keepalive_s,
                 watched_actors=core_actor_names(cfg),
             ),
             group="main",

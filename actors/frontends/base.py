@@ -28,10 +28,14 @@ from transport.messages.engine import (
     AbortGeneration,
     Accepted,
     ChatMessage,
+    DetokenizeReply,
+    DetokenizeRequest,
     GenerateRequest,
     GenerationParams,
     OutputBatch,
     OutputChunk,
+    TokenizeReply,
+    TokenizeRequest,
 )
 
 
@@ -173,6 +177,22 @@ class EngineClient:
             if not finished:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                     await self.tokenizer.send(AbortGeneration(client_rids=[rid]))
+
+    async def tokenize(self, **request) -> TokenizeReply:
+        """Token ids of a prompt or of chat messages (TokenizeRequest's fields)."""
+        try:
+            return await self.tokenizer.call(TokenizeRequest(**request), expect=TokenizeReply)
+        except RemoteError as exc:
+            raise GenerationError(exc.reply.code, exc.reply.message) from None
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        try:
+            reply = await self.tokenizer.call(
+                DetokenizeRequest(tokens=tokens), expect=DetokenizeReply
+            )
+        except RemoteError as exc:
+            raise GenerationError(exc.reply.code, exc.reply.message) from None
+        return reply.prompt
 
     async def complete(self, params: GenerationParams, **prompt) -> GenerationResult:
         t0 = time.perf_counter()

@@ -69,10 +69,9 @@ class StepOutbox:
     releases: list[ReleaseItem] = field(default_factory=list)  # not yet sent
     reports: list[Report] = field(default_factory=list)
     released: int = 0  # releases already sent this step
-    # prompt logprobs of this step: (rid, first prompt position, logprobs, top ids, top lps)
-    prompt: list[tuple[int, int, list[float], list[list[int]], list[list[float]]]] = field(
-        default_factory=list
-    )
+    # prompt logprobs of this step: (rid, first prompt position, logprobs, ranks, top ids,
+    # top logprobs)
+    prompt: list[tuple] = field(default_factory=list)
 
     def prompt_logprobs(self, result: StepResultMsg, work: dict[int, PrefillWork]) -> None:
         """Take the step's prompt logprobs; each covers prompt tokens start + 1 onward."""
@@ -85,6 +84,7 @@ class StepOutbox:
                     rid,
                     first,
                     result.prompt_token_logprobs[pos : pos + n],
+                    result.prompt_ranks[pos : pos + n],
                     result.prompt_top_ids[pos : pos + n],
                     result.prompt_top_logprobs[pos : pos + n],
                 )
@@ -145,8 +145,9 @@ class StepOutbox:
             prompt_starts=[p[1] for p in self.prompt],
             prompt_counts=[len(p[2]) for p in self.prompt],
             prompt_token_logprobs=[x for p in self.prompt for x in p[2]],
-            prompt_top_ids=[x for p in self.prompt for x in p[3]],
-            prompt_top_logprobs=[x for p in self.prompt for x in p[4]],
+            prompt_ranks=[x for p in self.prompt for x in p[3]],
+            prompt_top_ids=[x for p in self.prompt for x in p[4]],
+            prompt_top_logprobs=[x for p in self.prompt for x in p[5]],
         )
 
 

@@ -299,6 +299,15 @@ class TokenizerActor(Actor):
         for rid, start, n in zip(batch.prompt_rids, batch.prompt_starts, batch.prompt_counts):
             st = self.streams.get(rid)
             if st is not None and st.prompt_ids is not None:
+                if start == 1:  # the first prompt token: no logprob, nothing before it
+                    first = st.prompt_ids[0]
+                    st.prompt_logprobs.append(
+                        TokenLogprob(
+                            token_id=first,
+                            text=dec([first], skip_special_tokens=False),
+                            logprob=None,
+                        )
+                    )
                 for j in range(n):
                     tok = st.prompt_ids[start + j]
                     top = [
@@ -313,6 +322,7 @@ class TokenizerActor(Actor):
                             text=dec([tok], skip_special_tokens=False),
                             logprob=batch.prompt_token_logprobs[pos + j],
                             top=top,
+                            rank=batch.prompt_ranks[pos + j],
                         )
                     )
             pos += n

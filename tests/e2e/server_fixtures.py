@@ -50,7 +50,14 @@ class ServerHandle:
         return self.log_path.read_text(errors="replace")[-chars:]
 
 
-def start_server(*, api_key: str = API_KEY, extra: list[str] | None = None) -> ServerHandle:
+def start_server(
+    *,
+    api_key: str = API_KEY,
+    extra: list[str] | None = None,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerHandle:
+    """`extra`: more --set pairs; `args`: more command-line arguments (a MODEL, flags)."""
     port = pick_free_tcp_port()
     zmq_port = pick_free_tcp_port(exclude={port})
     sets = [
@@ -65,6 +72,8 @@ def start_server(*, api_key: str = API_KEY, extra: list[str] | None = None) -> S
         # ZeroMQ), which batch invariance guarantees in fp32 (tests/test_batch_invariance.py).
         "model.dtype=float32",
         "model.threads=1",
+        'server.allowed_origins=["http://app.example"]',
+        "server.sse_keepalive_s=0.05",  # every stream then carries keep-alive comments
         *(extra or []),
     ]
     cmd = [
@@ -81,9 +90,15 @@ def start_server(*, api_key: str = API_KEY, extra: list[str] | None = None) -> S
     ]
     for s in sets:
         cmd += ["--set", s]
+    cmd += args or []
     log = tempfile.NamedTemporaryFile(prefix="kvactor-server-", suffix=".log", delete=False)
     process = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     log.close()
     handle = ServerHandle(
@@ -144,7 +159,7 @@ def _group_alive(pgid: int) -> bool:
 # ---- reading the server's state -------------------------------------------------------------
 
 
-def scrape_metrics(handle: ServerHandle) -> dict[str, float]:
+def scrape_metrics(handle: ServerHandle, model_name: str = MODEL_NAME) -> dict[str, float]:
     """/metrics parsed by `prometheus_client.parser`, as {"name{labels}": value}.
 
     Every kvactor series carries `model_name` (checked here); the keys leave it out.
@@ -157,7 +172,7 @@ def scrape_metrics(handle: ServerHandle) -> dict[str, float]:
         for sample in family.samples:
             labels = dict(sample.labels)
             if sample.name.startswith("kvactor_"):
-                assert labels.pop("model_name", None) == MODEL_NAME, sample
+                assert labels.pop("model_name", None) == model_name, sample
             inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
             out[f"{sample.name}{{{inner}}}" if inner else sample.name] = sample.value
     return out

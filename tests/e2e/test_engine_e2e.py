@@ -233,7 +233,9 @@ async def test_prompt_logprobs_equal_hf_log_softmax(engine, tokenizer, hf_model)
     params = GenerationParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
     res = await engine.client.complete(params, prompt_ids=ids)
     assert res.cached_tokens == 0  # prompt logprobs need every token's logits
-    assert [lp.token_id for lp in res.prompt_logprobs] == ids[1:]
+    assert [lp.token_id for lp in res.prompt_logprobs] == ids
+    assert res.prompt_logprobs[0].logprob is None and res.prompt_logprobs[0].top == []
+    res.prompt_logprobs.pop(0)
     with torch.inference_mode():
         ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]

@@ -99,10 +99,28 @@ CASES = [
     Case("empty_stop_string", 400, completion(stop=[""]), param="stop"),
     Case("stop_wrong_type", 400, completion(stop=5), param="stop"),
     Case("logprobs_too_many", 400, completion(logprobs=50), param="logprobs"),
+    # Known fields this server does not implement are refused, naming them (unknown ones are
+    # ignored: tests/e2e/test_gateway_openai.py).
     Case(
-        "unknown_field", 400, completion(frobnicate=1), param="frobnicate", code="unknown_parameter"
+        "response_format",
+        400,
+        completion(response_format={"type": "json_object"}),
+        param="response_format",
+        code="unsupported_parameter",
     ),
-    Case("echo_unsupported", 400, completion(echo=True), param="echo"),
+    Case(
+        "tools",
+        400,
+        chat(tools=[{"type": "function"}]),
+        path=CHAT,
+        param="tools",
+        code="unsupported_parameter",
+    ),
+    Case("suffix", 400, completion(suffix="x"), param="suffix"),
+    Case("logit_bias_key", 400, completion(logit_bias={"abc": 1.0}), param="logit_bias"),
+    Case("logit_bias_range", 400, completion(logit_bias={"5": 500.0}), param="logit_bias"),
+    Case("logit_bias_vocab", 400, completion(logit_bias={"999999999": 1.0}), param="logit_bias"),
+    Case("prompt_logprobs_range", 400, completion(prompt_logprobs=99), param="prompt_logprobs"),
     Case(
         "stream_options_without_stream",
         400,

@@ -122,13 +122,15 @@ class TokenBatch(HotMessage):
     prompt_token_logprobs: list[float] = []
     prompt_top_ids: list[list[int]] = []
     prompt_top_logprobs: list[list[float]] = []
+    prompt_ranks: list[int] = []
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     token_id: int
     text: str
-    logprob: float
+    logprob: float | None  # None only for the first prompt token (it has no context)
     top: list[tuple[int, str, float]] = []
+    rank: int = 0  # prompt tokens: 1 = the most likely token there (0: not computed)
 
 
 class OutputChunk(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -141,7 +143,7 @@ class OutputChunk(msgspec.Struct, array_like=True, frozen=True, gc=False):
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = []
     stop_matched: str | int | None = None
-    prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1.. (with prompt_logprobs)
+    prompt_logprobs: list[TokenLogprob] = []  # every prompt token (with prompt_logprobs)
     queue_time_s: float = -1.0  # seconds waiting for admission (first chunk only)
 
 

@@ -55,3 +55,4 @@ class StepResultMsg(HotMessage):
     prompt_token_logprobs: list[float] = []
     prompt_top_ids: list[list[int]] = []
     prompt_top_logprobs: list[list[float]] = []
+    prompt_ranks: list[int] = []

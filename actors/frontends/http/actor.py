@@ -59,25 +59,32 @@ class GatewayActor(FrontendActor):
         host: str = "127.0.0.1",
         port: int = 8000,
         api_key: str | None = None,
-        model_name: str = "gemma-3-270m",
+        model_names: Sequence[str] = ("gemma-3-270m",),
         context_len: int = 4096,
         watched_actors: Sequence[str] = (),
         tokenizer: str = "tokenizer",
         scheduler: str = "scheduler",
         allocator: str = "allocator",
         max_body_bytes: int = MAX_BODY_BYTES,
+        generation_defaults: dict | None = None,
+        allowed_origins: Sequence[str] = (),
+        sse_keepalive_s: float = 5.0,
     ) -> None:
         super().__init__(tokenizer)
+        self.model_names = list(model_names)
+        self.generation_defaults = dict(generation_defaults or {})
+        self.allowed_origins = list(allowed_origins)
+        self.sse_keepalive_s = sse_keepalive_s
         self.host = host
         self.port = port
         self.api_key = api_key or None
-        self.model_name = model_name
+        self.model_name = self.model_names[0]
         self.context_len = context_len
         self.watched_actors = list(watched_actors)
         self.scheduler_name = scheduler
         self.allocator_name = allocator
         self.max_body_bytes = max_body_bytes
-        self.metrics = GatewayMetrics(model_name)
+        self.metrics = GatewayMetrics(self.model_name)
         self.bound_port: int | None = None
         self._sock: socket.socket | None = None
         self._server: _EmbeddedServer | None = None
@@ -87,8 +94,11 @@ class GatewayActor(FrontendActor):
         assert self.client is not None
         self.app = GatewayApp(
             client=self.client,
-            model_name=self.model_name,
+            model_names=self.model_names,
             context_len=self.context_len,
+            generation_defaults=self.generation_defaults,
+            allowed_origins=self.allowed_origins,
+            keepalive_s=self.sse_keepalive_s,
             api_key=self.api_key,
             health=self.probe_health,
             stats=self.engine_stats,

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import importlib.metadata
 import math
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,16 +54,28 @@ from actors.frontends.http.metrics import GatewayMetrics
 from actors.frontends.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from actors.frontends.http.sse import DONE_EVENT, SSE_HEADERS, sse_event
+from actors.runtime.logging import get_logger
 from transport.channel import ChannelClosed
 from transport.messages.alloc import KvStats
-from transport.messages.engine import OutputChunk, SchedulerStats
+from transport.messages.engine import ChatMessage, OutputChunk, SchedulerStats
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
+SSE_KEEPALIVE_S = 5.0  # a streamed response with no event this long gets a comment line
+KEEPALIVE_EVENT = b": keep-alive\n\n"
+try:
+    KVACTOR_VERSION = importlib.metadata.version("kvactor")
+except importlib.metadata.PackageNotFoundError:  # running from a plain checkout
+    KVACTOR_VERSION = "0.1.0"
+_log = get_logger("gateway")
 # An oversized body is read and dropped up to this size so the client can read its 413;
 # beyond it the connection is closed after the 413 is sent.
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
@@ -127,21 +141,31 @@ class GatewayApp:
         self,
         *,
         client: EngineClient,
-        model_name: str,
+        model_names: list[str],
         context_len: int,
         api_key: str | None,
         health: HealthProbe,
         stats: StatsProbe,
         metrics: GatewayMetrics | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        generation_defaults: dict[str, Any] | None = None,
+        allowed_origins: list[str] | None = None,
+        keepalive_s: float = SSE_KEEPALIVE_S,
     ) -> None:
+        if not model_names:
+            raise ValueError("the gateway needs at least one model name")
         self.client = client
-        self.model_name = model_name
+        self.model_names = list(model_names)
+        self.model_name = self.model_names[0]
         self.context_len = context_len
+        self.generation_defaults = dict(generation_defaults or {})
+        self.allowed_origins = set(allowed_origins or ())
+        self.keepalive_s = keepalive_s
+        self._warned_fields: set[str] = set()
         self._api_key = api_key.encode() if api_key else None
         self.health = health
         self.stats = stats
-        self.metrics = metrics or GatewayMetrics(model_name)
+        self.metrics = metrics or GatewayMetrics(self.model_name)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.routes: dict[str, dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
@@ -150,6 +174,9 @@ class GatewayApp:
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
+            "/tokenize": {"POST": self._tokenize},
+            "/detokenize": {"POST": self._detokenize},
+            "/version": {"GET": self._version},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -157,6 +184,21 @@ class GatewayApp:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1003})
             return
+        request_id = _request_id(scope)
+        scope["kvactor.request_id"] = request_id
+        extra = [(b"x-request-id", request_id.encode()), *self._cors_headers(scope)]
+        head_only = scope["method"] == "HEAD"
+
+        raw_send = send
+
+        async def send_with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            elif head_only and message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await raw_send(message)
+
+        send = send_with_headers
         try:
             await self._dispatch(scope, receive, send)
         except ApiError as err:
@@ -172,7 +214,11 @@ class GatewayApp:
             methods = {"GET": self._model}
         if methods is None:
             raise ApiError(404, f"no route {path}", type=NOT_FOUND, code="not_found")
-        handler = methods.get(scope["method"])
+        method = scope["method"]
+        if method == "OPTIONS":
+            await self._options(scope, send, methods)
+            return
+        handler = methods.get("GET" if method == "HEAD" else method)
         if handler is None:
             raise ApiError(
                 405,
@@ -183,6 +229,36 @@ class GatewayApp:
         if path.startswith("/v1/"):
             self._authorize(scope)
         await handler(scope, receive, send)
+
+    def _cors_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        origin = _header(scope, b"origin")
+        if origin is None or not self.allowed_origins:
+            return []
+        if "*" in self.allowed_origins:
+            allow = b"*"
+        elif origin.decode("latin-1") in self.allowed_origins:
+            allow = origin
+        else:
+            return []
+        return [
+            (b"access-control-allow-origin", allow),
+            (b"vary", b"Origin"),
+            (b"access-control-expose-headers", b"x-request-id"),
+        ]
+
+    async def _options(self, scope: Scope, send: Send, methods: dict) -> None:
+        """A CORS preflight (or a plain OPTIONS): the allowed methods, no body."""
+        allowed = ", ".join([*methods, *(["HEAD"] if "GET" in methods else []), "OPTIONS"])
+        headers = [(b"allow", allowed.encode())]
+        if self._cors_headers(scope):
+            wanted = _header(scope, b"access-control-request-headers") or b"*"
+            headers += [
+                (b"access-control-allow-methods", allowed.encode()),
+                (b"access-control-allow-headers", wanted),
+                (b"access-control-max-age", b"600"),
+            ]
+        await send({"type": "http.response.start", "status": 204, "headers": headers})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _authorize(self, scope: Scope) -> None:
         if self._api_key is None:
@@ -242,13 +318,31 @@ class GatewayApp:
             headers=[] if drained else [(b"connection", b"close")],
         )
 
-    def _decode(self, body: bytes, schema: type[SamplingRequest]) -> Any:
+    def _decode(self, body: bytes, schema: type) -> Any:
         if not body:
             raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
         try:
-            return msgspec.json.decode(body, type=schema)
+            req = msgspec.json.decode(body, type=schema)
         except msgspec.DecodeError as exc:
             raise from_decode_error(exc, body) from None
+        self._warn_unknown_fields(body, schema)
+        return req
+
+    def _warn_unknown_fields(self, body: bytes, schema: type) -> None:
+        """Unknown top-level fields are ignored, as vLLM does; each name is logged once."""
+        raw = msgspec.json.decode(body)
+        if not isinstance(raw, dict):
+            return
+        known = {f.name for f in msgspec.structs.fields(schema)}
+        unknown = sorted(k for k in raw if k not in known)
+        fresh = [k for k in unknown if k not in self._warned_fields]
+        if fresh:
+            self._warned_fields.update(fresh[:64])
+            _log.warning(
+                "ignoring unknown request fields",
+                fields=[k[:64] for k in fresh][:16],
+                schema=schema.__name__,
+            )
 
     # ---- endpoints ---------------------------------------------------------------------------
 
@@ -256,32 +350,83 @@ class GatewayApp:
         req: CompletionRequest = self._decode(
             await self._read_body(scope, receive), CompletionRequest
         )
-        check_model(req.model, self.model_name)
+        model = check_model(req.model, self.model_names)
         include_usage = _include_usage(req)
-        jobs = completion_jobs(req)
-        renderer = CompletionRenderer(self.model_name, req.logprobs is not None, req.logprobs or 0)
+        jobs = completion_jobs(req, self.generation_defaults)
+        renderer = CompletionRenderer(
+            model,
+            req.logprobs is not None,
+            req.logprobs or 0,
+            request_id=scope["kvactor.request_id"],
+            echo=bool(req.echo),
+            prompt_logprobs=req.prompt_logprobs is not None,
+        )
         await self._generate(receive, send, jobs, renderer, bool(req.stream), include_usage)
 
     async def _chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         req: ChatCompletionRequest = self._decode(
             await self._read_body(scope, receive), ChatCompletionRequest
         )
-        check_model(req.model, self.model_name)
+        model = check_model(req.model, self.model_names)
         include_usage = _include_usage(req)
-        jobs = chat_jobs(req, self.context_len)
-        renderer = ChatRenderer(self.model_name, bool(req.logprobs))
+        jobs = chat_jobs(req, self.context_len, self.generation_defaults)
+        renderer = ChatRenderer(model, bool(req.logprobs), request_id=scope["kvactor.request_id"])
         await self._generate(receive, send, jobs, renderer, bool(req.stream), include_usage)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_response(send, 200, _json.encode(ModelList(data=[self._card()])))
+        cards = [self._card(name) for name in self.model_names]
+        await send_response(send, 200, _json.encode(ModelList(data=cards)))
 
     async def _model(self, scope: Scope, receive: Receive, send: Send) -> None:
         wanted = scope["path"][len("/v1/models/") :]
-        check_model(wanted, self.model_name)
-        await send_response(send, 200, _json.encode(self._card()))
+        await send_response(
+            send, 200, _json.encode(self._card(check_model(wanted, self.model_names)))
+        )
 
-    def _card(self) -> ModelCard:
-        return ModelCard(id=self.model_name, created=self.created, max_model_len=self.context_len)
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.created, max_model_len=self.context_len)
+
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        req: TokenizeRequest = self._decode(await self._read_body(scope, receive), TokenizeRequest)
+        check_model(req.model, self.model_names)
+        messages = None
+        if req.messages is not None:
+            messages = [_chat_message(m) for m in req.messages]
+        try:
+            reply = await self.client.tokenize(
+                prompt=req.prompt,
+                messages=messages,
+                add_special_tokens=req.add_special_tokens,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+            )
+        except GenerationError as exc:
+            raise from_generation_error(exc) from None
+        strs = None
+        if req.return_token_strs:
+            strs = [(await self.client.detokenize([t])) for t in reply.tokens]
+        body = TokenizeResponse(
+            count=len(reply.tokens),
+            max_model_len=self.context_len,
+            tokens=reply.tokens,
+            token_strs=strs,
+        )
+        await send_response(send, 200, _json.encode(body))
+
+    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        req: DetokenizeRequest = self._decode(
+            await self._read_body(scope, receive), DetokenizeRequest
+        )
+        check_model(req.model, self.model_names)
+        try:
+            text = await self.client.detokenize(list(req.tokens))
+        except GenerationError as exc:
+            raise from_generation_error(exc) from None
+        await send_response(send, 200, _json.encode(DetokenizeResponse(prompt=text)))
+
+    async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_response(send, 200, _json.encode({"version": KVACTOR_VERSION}))
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         status = await self.health()
@@ -310,6 +455,9 @@ class GatewayApp:
     ) -> None:
         started = time.perf_counter()
         states = [ChoiceState() for _ in jobs]
+        for job, state in zip(jobs, states):
+            if job.echo:
+                state.prompt_text = await self._prompt_text(job)
         outcome = _Outcome()
         tx, rx = anyio.create_memory_object_stream[_Event](math.inf)
         async with anyio.create_task_group() as tg:
@@ -342,6 +490,14 @@ class GatewayApp:
             raise outcome.error
         elif outcome.succeeded:
             self.metrics.count_success(time.perf_counter() - started)
+
+    async def _prompt_text(self, job: Job) -> str:
+        if "prompt" in job.prompt:
+            return job.prompt["prompt"]
+        try:
+            return await self.client.detokenize(list(job.prompt["prompt_ids"]))
+        except GenerationError as exc:
+            raise from_generation_error(exc) from None
 
     async def _pump(self, job: Job, tx: MemoryObjectSendStream[_Event]) -> None:
         """Run one choice; every outcome is an event (never an exception in the group)."""
@@ -440,7 +596,14 @@ class GatewayApp:
                         {"type": "http.response.body", "body": b"".join(out), "more_body": True}
                     )
                     out.clear()
-                queue.append(await _next_event(rx))
+                # While a request waits or prefills, a comment keeps proxies from timing out.
+                with anyio.move_on_after(self.keepalive_s) as waited:
+                    queue.append(await _next_event(rx))
+                if waited.cancelled_caught:
+                    await send(
+                        {"type": "http.response.body", "body": KEEPALIVE_EVENT, "more_body": True}
+                    )
+                    continue
                 while True:
                     try:
                         queue.append(rx.receive_nowait())
@@ -456,7 +619,7 @@ class GatewayApp:
                 continue
             assert event.chunk is not None
             offset = self._record(event, states, started)
-            delta = renderer.delta(event.index, event.chunk, offset)
+            delta = renderer.delta(event.index, event.chunk, offset, states[event.index])
             if delta is not None:
                 out.append(sse_event(delta))
             remaining -= event.chunk.finish_reason is not None
@@ -499,6 +662,23 @@ async def _drain(receive: Receive, already: int) -> bool:
         if not message.get("more_body", False):
             return True
     return False
+
+
+def _request_id(scope: Scope) -> str:
+    """The client's X-Request-Id when it is a sane token, else a fresh one."""
+    given = _header(scope, b"x-request-id")
+    if given and len(given) <= 128:
+        text = given.decode("latin-1")
+        if all(c.isalnum() or c in "-_.:" for c in text):
+            return text
+    return uuid.uuid4().hex
+
+
+def _chat_message(m: Any) -> ChatMessage:
+    content: Any = m.content
+    if isinstance(content, list):
+        content = [{"type": "text", "text": part.text} for part in content]
+    return ChatMessage(role=m.role, content=content, name=m.name)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -2,8 +2,10 @@
 
 A request becomes one `Job` per choice: `n` choices for each prompt (a batched completions
 request has several prompts); choice `prompt_index * n + i` gets seed `seed + i` when a
-seed is given. `ChoiceState` accumulates one choice's chunks; the renderers turn chunks
-into streamed events and states into the final object. Nothing here touches the engine.
+seed is given. Fields a request leaves unset take the model's generation defaults
+(`generation_config.json`), then the engine's. `ChoiceState` accumulates one choice's
+chunks; the renderers turn chunks into streamed events and states into the final object
+(with `echo`, the prompt and its logprobs come first). Nothing here touches the engine.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from actors.frontends.http.errors import ApiError
 from actors.frontends.http.schemas import (
     MAX_CHOICES,
     MAX_PROMPTS,
+    UNSUPPORTED,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -48,8 +51,9 @@ class Job:
 
     index: int
     prompt_index: int
-    prompt: dict[str, Any]  # the prompt keyword of EngineClient.generate
+    prompt: dict[str, Any]  # the prompt keywords of EngineClient.generate
     params: GenerationParams
+    echo: bool = False  # completions: the prompt precedes the completion in the response
 
 
 @dataclass
@@ -65,6 +69,11 @@ class ChoiceState:
     cached_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    prompt_text: str = ""  # for echo
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_reason: str | int | None = None
+    queue_time_s: float = -1.0
+    echoed: bool = False  # the prompt went out (streaming echo)
 
     def add(self, chunk: OutputChunk) -> int:
         """Record `chunk`; returns the text offset at which its text starts."""
@@ -73,11 +82,15 @@ class ChoiceState:
             self.texts.append(chunk.text)
             self.text_len += len(chunk.text)
         self.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         self.prompt_tokens = chunk.prompt_tokens
         self.completion_tokens = chunk.completion_tokens
         self.cached_tokens = chunk.cached_tokens
+        if chunk.queue_time_s >= 0:
+            self.queue_time_s = chunk.queue_time_s
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
+            self.stop_reason = chunk.stop_matched
         return offset
 
     @property
@@ -85,61 +98,101 @@ class ChoiceState:
         return "".join(self.texts)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request_id: str | None = None) -> str:
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
+
+
+def clip(value: str, limit: int = 200) -> str:
+    """A user value short enough to echo in an error message."""
+    return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters)"
 
 
 # ---- requests -> jobs ------------------------------------------------------------------------
 
 
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise ApiError(
-            404,
-            f"The model `{requested}` does not exist; this server serves `{served}`.",
-            type="not_found_error",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(requested: str | None, served: list[str]) -> str:
+    """The name to answer with: the one requested, if served; the first served one if none
+    was named."""
+    if requested is None:
+        return served[0]
+    if requested in served:
+        return requested
+    names = ", ".join(f"`{n}`" for n in served)
+    raise ApiError(
+        404,
+        f"The model `{clip(requested)}` does not exist; this server serves {names}.",
+        type="not_found_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def check_supported(req: SamplingRequest) -> None:
+    """A 400 naming the first known field this server does not implement, when it is set."""
+    for name in UNSUPPORTED:
+        if getattr(req, name, None) is not None:
+            raise ApiError(
+                400,
+                f"{name} is not supported by this server",
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, bias in (raw or {}).items():
+        try:
+            out[int(key)] = float(bias)
+        except ValueError:
+            raise ApiError(
+                400, f"logit_bias: keys must be token ids, got {clip(key)!r}", param="logit_bias"
+            ) from None
+    return out
 
 
 def _params(
     req: SamplingRequest,
     *,
+    defaults: dict[str, Any],
     default_max_tokens: int,
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    prompt_logprobs: int | None = None,
 ) -> GenerationParams:
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    check_supported(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
-    def given(value: Any, default: Any) -> Any:
-        return default if value is None else value
+    def given(value: Any, name: str, engine_default: Any) -> Any:
+        return defaults.get(name, engine_default) if value is None else value
 
     return GenerationParams(
-        max_tokens=given(max_tokens, default_max_tokens),
-        min_tokens=given(req.min_tokens, 0),
-        temperature=given(req.temperature, 1.0),
-        top_p=given(req.top_p, 1.0),
-        top_k=given(req.top_k, -1),
-        min_p=given(req.min_p, 0.0),
+        max_tokens=given(max_tokens, "max_tokens", default_max_tokens),
+        min_tokens=given(req.min_tokens, "min_tokens", 0),
+        temperature=given(req.temperature, "temperature", 1.0),
+        top_p=given(req.top_p, "top_p", 1.0),
+        top_k=given(req.top_k, "top_k", -1),
+        min_p=given(req.min_p, "min_p", 0.0),
         seed=req.seed,
-        repetition_penalty=given(req.repetition_penalty, 1.0),
-        frequency_penalty=given(req.frequency_penalty, 0.0),
-        presence_penalty=given(req.presence_penalty, 0.0),
+        repetition_penalty=given(req.repetition_penalty, "repetition_penalty", 1.0),
+        frequency_penalty=given(req.frequency_penalty, "frequency_penalty", 0.0),
+        presence_penalty=given(req.presence_penalty, "presence_penalty", 0.0),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         stop=stop,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=bool(req.ignore_eos),
-        skip_special_tokens=given(req.skip_special_tokens, True),
+        skip_special_tokens=given(req.skip_special_tokens, "skip_special_tokens", True),
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        logit_bias=_logit_bias(req.logit_bias),
+        prompt_logprobs=prompt_logprobs,
     )
 
 
-def _expand(prompts: list[dict[str, Any]], n: int, params: GenerationParams) -> list[Job]:
+def _expand(
+    prompts: list[dict[str, Any]], n: int, params: GenerationParams, echo: bool = False
+) -> list[Job]:
     jobs = []
     for p_index, prompt in enumerate(prompts):
         for i in range(n):
@@ -147,7 +200,13 @@ def _expand(prompts: list[dict[str, Any]], n: int, params: GenerationParams) -> 
             if params.seed is not None and i:
                 seeded = _with_seed(params, params.seed + i)
             jobs.append(
-                Job(index=p_index * n + i, prompt_index=p_index, prompt=prompt, params=seeded)
+                Job(
+                    index=p_index * n + i,
+                    prompt_index=p_index,
+                    prompt=prompt,
+                    params=seeded,
+                    echo=echo,
+                )
             )
     return jobs
 
@@ -180,28 +239,32 @@ def _completion_prompts(prompt: str | list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def completion_jobs(req: CompletionRequest) -> list[Job]:
-    if req.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
+def completion_jobs(req: CompletionRequest, defaults: dict[str, Any]) -> list[Job]:
     if req.suffix is not None:
         raise ApiError(400, "suffix is not supported", param="suffix")
     n = req.n or 1
     if req.best_of is not None and req.best_of != n:
         raise ApiError(400, "best_of is only supported equal to n", param="best_of")
+    # echo with logprobs needs the prompt's logprobs; vLLM's prompt_logprobs asks directly.
+    prompt_lps = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_lps = max(req.logprobs, prompt_lps or 0)
     params = _params(
         req,
+        defaults=defaults,
         default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
         max_tokens=req.max_tokens,
         logprobs=req.logprobs is not None,
         top_logprobs=req.logprobs or 0,
+        prompt_logprobs=prompt_lps,
     )
     prompts = _completion_prompts(req.prompt)
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, f"prompts x n must be at most {MAX_CHOICES}", param="n")
-    return _expand(prompts, n, params)
+    return _expand(prompts, n, params, echo=bool(req.echo))
 
 
-def chat_jobs(req: ChatCompletionRequest, context_len: int) -> list[Job]:
+def chat_jobs(req: ChatCompletionRequest, context_len: int, defaults: dict[str, Any]) -> list[Job]:
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     messages = []
@@ -215,12 +278,19 @@ def chat_jobs(req: ChatCompletionRequest, context_len: int) -> list[Job]:
     )
     params = _params(
         req,
+        defaults=defaults,
         default_max_tokens=context_len,  # the tokenizer clamps it to the room left
         max_tokens=max_tokens,
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,
     )
-    return _expand([{"messages": messages}], req.n or 1, params)
+    prompt = {
+        "messages": messages,
+        "add_generation_prompt": req.add_generation_prompt is not False,
+        "continue_final_message": bool(req.continue_final_message),
+        "chat_template_kwargs": dict(req.chat_template_kwargs or {}),
+    }
+    return _expand([prompt], req.n or 1, params)
 
 
 # ---- outputs -> OpenAI objects ---------------------------------------------------------------
@@ -251,6 +321,7 @@ def usage_of(jobs: list[Job], states: list[ChoiceState]) -> Usage:
 def completion_logprobs(
     lps: list[TokenLogprob], start_offset: int, with_top: bool
 ) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs shape; the first prompt token (echo) has null entries."""
     offsets = []
     pos = start_offset
     for lp in lps:
@@ -259,11 +330,30 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=[lp.text for lp in lps],
         token_logprobs=[lp.logprob for lp in lps],
-        top_logprobs=[{text: value for _, text, value in lp.top} for lp in lps]
+        top_logprobs=[
+            None if lp.logprob is None else {text: value for _, text, value in lp.top} for lp in lps
+        ]
         if with_top
         else None,
         text_offset=offsets,
     )
+
+
+def vllm_prompt_logprobs(lps: list[TokenLogprob]) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else the token and
+    its top alternatives, each {"logprob", "rank", "decoded_token"}."""
+    out: list[dict[str, dict] | None] = []
+    for lp in lps:
+        if lp.logprob is None:
+            out.append(None)
+            continue
+        entry = {
+            str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.text}
+        }
+        for rank, (tid, text, value) in enumerate(lp.top, start=1):
+            entry.setdefault(str(tid), {"logprob": value, "rank": rank, "decoded_token": text})
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(lps: list[TokenLogprob]) -> ChatLogprobs:
@@ -286,26 +376,70 @@ def chat_logprobs(lps: list[TokenLogprob]) -> ChatLogprobs:
 class CompletionRenderer:
     """Builds /v1/completions objects for one request."""
 
-    def __init__(self, model: str, want_logprobs: bool, top_logprobs: int) -> None:
-        self.id = new_id("cmpl")
+    def __init__(
+        self,
+        model: str,
+        want_logprobs: bool,
+        top_logprobs: int,
+        *,
+        request_id: str | None = None,
+        echo: bool = False,
+        prompt_logprobs: bool = False,
+    ) -> None:
+        self.id = new_id("cmpl", request_id)
         self.created = int(time.time())
         self.model = model
         self.want_logprobs = want_logprobs
         self.with_top = top_logprobs > 0
+        self.echo = echo
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field
 
     def opening(self, index: int) -> Completion | None:
         return None
 
-    def delta(self, index: int, chunk: OutputChunk, text_offset: int) -> Completion | None:
-        if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
-            return None
-        lps = (
-            completion_logprobs(list(chunk.logprobs), text_offset, self.with_top)
+    def _choice(
+        self,
+        index: int,
+        state: ChoiceState,
+        text: str,
+        lps: list[TokenLogprob],
+        offset: int,
+        finish: str | None,
+        first: bool,
+    ) -> CompletionChoice:
+        if self.echo and first:
+            text = state.prompt_text + text
+            lps = [*state.prompt_logprobs, *lps]
+            offset = 0
+        elif self.echo:
+            offset += len(state.prompt_text)
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=completion_logprobs(lps, offset, self.with_top)
             if self.want_logprobs
-            else None
+            else None,
+            finish_reason=finish,
+            stop_reason=state.stop_reason if finish else None,
+            prompt_logprobs=vllm_prompt_logprobs(state.prompt_logprobs)
+            if self.prompt_logprobs and first
+            else None,
         )
-        choice = CompletionChoice(
-            index=index, text=chunk.text, logprobs=lps, finish_reason=chunk.finish_reason
+
+    def delta(
+        self, index: int, chunk: OutputChunk, text_offset: int, state: ChoiceState
+    ) -> Completion | None:
+        first = not state.echoed
+        if (
+            not chunk.text
+            and chunk.finish_reason is None
+            and not chunk.logprobs
+            and not (first and (self.echo or self.prompt_logprobs))
+        ):
+            return None
+        state.echoed = True
+        choice = self._choice(
+            index, state, chunk.text, list(chunk.logprobs), text_offset, chunk.finish_reason, first
         )
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
 
@@ -316,14 +450,7 @@ class CompletionRenderer:
 
     def final(self, states: list[ChoiceState], usage: Usage) -> Completion:
         choices = [
-            CompletionChoice(
-                index=i,
-                text=s.text,
-                logprobs=completion_logprobs(s.logprobs, 0, self.with_top)
-                if self.want_logprobs
-                else None,
-                finish_reason=s.finish_reason,
-            )
+            self._choice(i, s, s.text, s.logprobs, 0, s.finish_reason, first=True)
             for i, s in enumerate(states)
         ]
         return Completion(
@@ -334,8 +461,8 @@ class CompletionRenderer:
 class ChatRenderer:
     """Builds /v1/chat/completions objects for one request."""
 
-    def __init__(self, model: str, want_logprobs: bool) -> None:
-        self.id = new_id("chatcmpl")
+    def __init__(self, model: str, want_logprobs: bool, *, request_id: str | None = None) -> None:
+        self.id = new_id("chatcmpl", request_id)
         self.created = int(time.time())
         self.model = model
         self.want_logprobs = want_logprobs
@@ -351,14 +478,21 @@ class ChatRenderer:
             ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
         )
 
-    def delta(self, index: int, chunk: OutputChunk, text_offset: int) -> ChatCompletionChunk | None:
+    def delta(
+        self, index: int, chunk: OutputChunk, text_offset: int, state: ChoiceState
+    ) -> ChatCompletionChunk | None:
         if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
             return None
         lps = chat_logprobs(list(chunk.logprobs)) if self.want_logprobs else None
         delta = ChatDelta(content=chunk.text) if chunk.text else ChatDelta()
+        finish = chunk.finish_reason
         return self._chunk(
             ChatChunkChoice(
-                index=index, delta=delta, logprobs=lps, finish_reason=chunk.finish_reason
+                index=index,
+                delta=delta,
+                logprobs=lps,
+                finish_reason=finish,
+                stop_reason=state.stop_reason if finish else None,
             )
         )
 
@@ -374,6 +508,7 @@ class ChatRenderer:
                 message=ChatMessageOut(content=s.text),
                 logprobs=chat_logprobs(s.logprobs) if self.want_logprobs else None,
                 finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
             )
             for i, s in enumerate(states)
         ]

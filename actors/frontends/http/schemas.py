@@ -1,10 +1,13 @@
 """The OpenAI wire schema the gateway speaks: request and response msgspec Structs.
 
-Requests are decoded strictly (`msgspec.json.decode(body, type=...)`): wrong types,
-unknown fields and out-of-schema values are refused before anything reaches the engine.
-Range checks of sampling values belong to the tokenizer actor (`validate_params`); the
-constraints here are the HTTP-specific ones (n, logprobs, roles, content part types).
-`null` for an optional parameter means "the default", as in OpenAI's API.
+Requests are decoded with `msgspec.json.decode(body, type=...)`: wrong types and
+out-of-schema values are refused before anything reaches the engine. Unknown fields are
+ignored (the app logs their names once per request), as vLLM does, so clients sending other
+servers' extensions keep working; fields that are known but not supported (`UNSUPPORTED`)
+get a clear 400. Range checks of sampling values belong to the one validator
+(`transport.messages.params.validate_params`, run by the tokenizer actor); the constraints
+here are the HTTP-specific ones (n, logprobs, roles, content part types). `null` for an
+optional parameter means "the default", as in OpenAI's API.
 
 Responses mirror OpenAI's objects field for field (ids, `object`, `created`, `model`,
 `choices`, `usage`), so the official client parses them.
@@ -32,11 +35,11 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 # ---- requests --------------------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
 
 
-class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class SamplingRequest(msgspec.Struct, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -59,24 +62,36 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     user: str | None = None  # accepted and ignored
-    logit_bias: dict[str, float] | None = None  # only an empty map is supported
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # vLLM's extensions that ask for something this server does not do: refused with 400
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
     # A string, a list of strings (one prompt each), a token id list, or a list of them.
     prompt: str | list[str | Int | list[Int]]
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
-    echo: bool | None = False  # only false is supported
+    echo: bool | None = False  # the prompt before the completion (with its logprobs)
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: str | None = None  # only null is supported
     best_of: Int | None = None  # only null or n is supported
 
 
-class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+class TextPart(msgspec.Struct):
     type: Literal["text"]
     text: str
 
 
-class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
+class ChatMessageIn(msgspec.Struct):
     role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -87,6 +102,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     max_completion_tokens: Int | None = None
     logprobs: bool | None = False
     top_logprobs: Int | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -115,6 +133,10 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # vLLM's prompt_logprobs: one entry per prompt token (None for the first), each
+    # token id -> {"logprob", "rank", "decoded_token"}
+    prompt_logprobs: list[dict[str, dict] | None] | None = None
 
 
 class Completion(msgspec.Struct):
@@ -158,6 +180,7 @@ class ChatChoice(msgspec.Struct):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -180,6 +203,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -203,3 +227,48 @@ class ModelCard(msgspec.Struct):
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: str = "list"
+
+
+# Known fields this server refuses (with a 400 naming them) when they are set.
+UNSUPPORTED = (
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+# ---- tokenizer endpoints (vLLM's shapes) ------------------------------------------------------
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[Int]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str

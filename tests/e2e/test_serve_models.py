@@ -1,0 +1,206 @@
+"""`bin/engine serve MODEL` as a vLLM user runs it: a GGUF file or a Hugging Face folder,
+answered under the model's own name, generation_config.json defaults, environment
+overrides, and flags that fail at start naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.server_fixtures import ROOT, scrape_metrics, start_server, stop_server
+
+pytestmark = [pytest.mark.model]
+
+VOCAB = 300
+
+
+def tiny_llama_folder(root: Path) -> Path:
+    """A random-weight Llama with a word-level tokenizer, a chat template and a
+    generation_config.json, saved as a Hugging Face folder."""
+    import torch
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = root / "tiny-llama"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab |= {f"w{i}": i for i in range(4, VOCAB)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    hf_tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w9{% endif %}"
+    )
+    hf_tok.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(
+        json.dumps({"do_sample": False, "max_new_tokens": 5, "bos_token_id": 1, "eos_token_id": 2})
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_server(tmp_path_factory):
+    folder = tiny_llama_folder(tmp_path_factory.mktemp("models"))
+    handle = start_server(
+        args=[str(folder), "--max-model-len", "256"],
+        env={"KVACTOR_KV_NUM_PAGES": "48", "KVACTOR_LOG_LEVEL": "info"},
+    )
+    try:
+        yield handle, folder
+    finally:
+        stop_server(handle)
+
+
+def test_hf_folder_is_served_under_its_own_names(hf_server):
+    server, folder = hf_server
+    models = httpx.get(f"{server.base_url}/v1/models", headers=server.auth).json()
+    names = [m["id"] for m in models["data"]]
+    assert names == [str(folder), "tiny-llama"]
+    assert models["data"][0]["max_model_len"] == 256  # --max-model-len
+    for name in names:
+        body = {"model": name, "prompt": "w5 w6 w7", "ignore_eos": True}
+        resp = httpx.post(
+            f"{server.base_url}/v1/completions", json=body, headers=server.auth, timeout=60
+        )
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        assert out["model"] == name
+        # generation_config.json: 5 new tokens by default (not OpenAI's 16), greedy
+        assert out["usage"]["completion_tokens"] == 5
+    again = httpx.post(
+        f"{server.base_url}/v1/completions",
+        headers=server.auth,
+        timeout=60,
+        json={"model": "tiny-llama", "prompt": "w5 w6 w7", "ignore_eos": True},
+    )
+    assert again.json()["choices"][0]["text"] == out["choices"][0]["text"]
+    explicit = httpx.post(
+        f"{server.base_url}/v1/completions",
+        headers=server.auth,
+        timeout=60,
+        json={"model": "tiny-llama", "prompt": "w5", "max_tokens": 2, "ignore_eos": True},
+    )
+    assert explicit.json()["usage"]["completion_tokens"] == 2  # the request wins
+
+
+def test_environment_overrides_reach_the_config(hf_server):
+    # start_server passes --set kv.num_pages=512; an environment variable ranks below --set
+    server, folder = hf_server
+    metrics = scrape_metrics(server, model_name=str(folder))  # the main served name
+    assert metrics['kvactor_kv_pages{state="total"}'] == 512
+
+
+def test_environment_override_applies_without_a_set():
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from actors.app.cli import load_config;print(load_config(None, []).kv.num_pages)",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KVACTOR_KV_NUM_PAGES": "48", "KVACTOR_LOG_LEVEL": "warning"},
+    )
+    assert res.stdout.strip() == "48", res.stderr
+
+
+def test_gguf_file_is_served_under_its_path_and_stem():
+    from kernels.gguf_loader import default_model_path
+
+    path = default_model_path()
+    server = start_server(
+        args=[str(path), "--served-model-name", "gemma", "g3"], extra=["kv.num_pages=64"]
+    )
+    try:
+        names = [
+            m["id"]
+            for m in httpx.get(f"{server.base_url}/v1/models", headers=server.auth).json()["data"]
+        ]
+        assert names == ["gemma", "g3"]
+        resp = httpx.post(
+            f"{server.base_url}/v1/completions",
+            headers=server.auth,
+            timeout=60,
+            json={"model": "g3", "prompt": "1, 2, 3,", "max_tokens": 2},
+        )
+        assert resp.status_code == 200 and resp.json()["model"] == "g3"
+    finally:
+        stop_server(server)
+    default = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from actors.app.cli import load_config, serve_overrides, main;"
+            "from actors.app.model_info import served_names;"
+            "import argparse, sys;"
+            f"cfg = load_config(None, [], **{{'model.path': {str(path)!r}}});"
+            "print(served_names(cfg))",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert default.stdout.strip() == str([str(path), path.stem]), default.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--max-model-len", "abc"], "--max-model-len"),
+        (["--dtype", "int4"], "model.dtype"),
+        (["--max-num-seqs", "4", "--set", "kv.max_rows=2"], "kv.max_rows"),
+        (["--set", "server.hots=1"], "unknown config key server.hots"),
+    ],
+)
+def test_bad_flags_fail_at_start_naming_them(args, named):
+    res = subprocess.run(
+        [sys.executable, "-m", "actors.app.cli", "serve", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode != 0 and named in res.stderr, res.stderr[-2000:]
+
+
+def test_environment_variable_with_a_bad_value_names_its_key():
+    res = subprocess.run(
+        [sys.executable, "-m", "actors.app.cli", "serve"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KVACTOR_KV_NUM_PAGES": "many"},
+    )
+    assert res.returncode != 0 and "kv.num_pages" in res.stderr, res.stderr[-2000:]
