@@ -162,7 +162,7 @@ def _group_alive(pgid: int) -> bool:
 def scrape_metrics(handle: ServerHandle, model_name: str = MODEL_NAME) -> dict[str, float]:
     """/metrics parsed by `prometheus_client.parser`, as {"name{labels}": value}.
 
-    Every kvactor series carries `model_name` (checked here); the keys leave it out.
+    Every kvactor: and vllm: series carries `model_name` (checked here); keys leave it out.
     """
     resp = httpx.get(f"{handle.base_url}/metrics", timeout=10.0)
     assert resp.status_code == 200, resp.text
@@ -171,7 +171,7 @@ def scrape_metrics(handle: ServerHandle, model_name: str = MODEL_NAME) -> dict[s
     for family in text_string_to_metric_families(resp.text):
         for sample in family.samples:
             labels = dict(sample.labels)
-            if sample.name.startswith("kvactor_"):
+            if sample.name.startswith(("kvactor:", "vllm:")):
                 assert labels.pop("model_name", None) == model_name, sample
             inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
             out[f"{sample.name}{{{inner}}}" if inner else sample.name] = sample.value
@@ -179,15 +179,15 @@ def scrape_metrics(handle: ServerHandle, model_name: str = MODEL_NAME) -> dict[s
 
 
 KV_KEYS = (
-    'kvactor_kv_pages{state="free"}',
-    'kvactor_kv_pages{state="held"}',
-    'kvactor_kv_pages{state="tree"}',
-    'kvactor_kv_pages{state="session"}',
-    "kvactor_kv_request_records",
-    "kvactor_kv_held_rows",
-    "kvactor_num_requests_running",
-    "kvactor_num_requests_waiting",
-    "kvactor_num_requests_prefilling",
+    'kvactor:kv_pages{state="free"}',
+    'kvactor:kv_pages{state="held"}',
+    'kvactor:kv_pages{state="tree"}',
+    'kvactor:kv_pages{state="session"}',
+    "kvactor:kv_request_records",
+    "kvactor:kv_held_rows",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "kvactor:num_requests_prefilling",
 )
 
 
@@ -198,11 +198,11 @@ def engine_figures(handle: ServerHandle) -> dict[str, float]:
 
 def is_idle(figures: dict[str, float]) -> bool:
     return (
-        figures['kvactor_kv_pages{state="held"}'] == 0
-        and figures["kvactor_kv_request_records"] == 0
-        and figures["kvactor_num_requests_running"] == 0
-        and figures["kvactor_num_requests_waiting"] == 0
-        and figures["kvactor_num_requests_prefilling"] == 0
+        figures['kvactor:kv_pages{state="held"}'] == 0
+        and figures["kvactor:kv_request_records"] == 0
+        and figures["vllm:num_requests_running"] == 0
+        and figures["vllm:num_requests_waiting"] == 0
+        and figures["kvactor:num_requests_prefilling"] == 0
     )
 
 

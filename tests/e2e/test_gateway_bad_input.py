@@ -225,7 +225,7 @@ def test_there_are_enough_cases():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_request_is_refused_and_changes_nothing(case, http, server, idle_figures):
-    errors_before = scrape_metrics(server)['kvactor_requests_total{outcome="error"}']
+    errors_before = scrape_metrics(server)['kvactor:requests_total{outcome="error"}']
     headers = {**(server.auth if case.auth else {}), **case.headers}
     if case.body is not None:
         headers.setdefault("Content-Type", "application/json")
@@ -239,7 +239,7 @@ def test_bad_request_is_refused_and_changes_nothing(case, http, server, idle_fig
     if case.status == 405:
         assert resp.headers["allow"]
     after = scrape_metrics(server)
-    assert after['kvactor_requests_total{outcome="error"}'] == errors_before + 1
+    assert after['kvactor:requests_total{outcome="error"}'] == errors_before + 1
     assert engine_figures(server) == idle_figures
     assert is_idle(idle_figures)
 
@@ -280,7 +280,7 @@ def test_oversize_body_with_expect_100_continue_is_never_sent(server, idle_figur
 
 def test_client_leaving_while_sending_its_body(server, idle_figures):
     """Half a body, then the connection closes: nothing is answered, nothing changes."""
-    aborted = 'kvactor_requests_total{outcome="aborted"}'
+    aborted = 'kvactor:requests_total{outcome="aborted"}'
     before = scrape_metrics(server)[aborted]
     host, port = server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:

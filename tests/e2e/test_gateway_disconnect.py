@@ -85,15 +85,15 @@ def test_closed_streams_abort_and_release_kv(server):
     assert waited < RELEASE_DEADLINE_S, f"KV came back only {waited:.2f} s after the last close"
 
     after = scrape_metrics(server)
-    free = after['kvactor_kv_pages{state="free"}']
-    tree = after['kvactor_kv_pages{state="tree"}']
-    assert free + tree == NUM_PAGES and after['kvactor_kv_pages{state="held"}'] == 0
-    aborted = 'kvactor_requests_total{outcome="aborted"}'
+    free = after['kvactor:kv_pages{state="free"}']
+    tree = after['kvactor:kv_pages{state="tree"}']
+    assert free + tree == NUM_PAGES and after['kvactor:kv_pages{state="held"}'] == 0
+    aborted = 'kvactor:requests_total{outcome="aborted"}'
     assert after[aborted] == before[aborted] + STREAMS
-    assert after["kvactor_kv_aborted_total"] >= before["kvactor_kv_aborted_total"] + STREAMS
+    assert after["kvactor:kv_aborted_total"] >= before["kvactor:kv_aborted_total"] + STREAMS
     assert (
-        after['kvactor_requests_total{outcome="success"}']
-        == (before['kvactor_requests_total{outcome="success"}'])
+        after['kvactor:requests_total{outcome="success"}']
+        == (before['kvactor:requests_total{outcome="success"}'])
     )
     # The engine still serves, and its held KV is back to the idle value.
     ok = httpx.post(
@@ -104,4 +104,4 @@ def test_closed_streams_abort_and_release_kv(server):
     )
     assert ok.status_code == 200, ok.text
     final, _ = wait_idle(server)
-    assert final['kvactor_kv_pages{state="held"}'] == idle['kvactor_kv_pages{state="held"}'] == 0
+    assert final['kvactor:kv_pages{state="held"}'] == idle['kvactor:kv_pages{state="held"}'] == 0

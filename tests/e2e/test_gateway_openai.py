@@ -48,7 +48,7 @@ def client(server):
 def system_idle_after(server):
     yield
     figures, _ = wait_idle(server)
-    assert figures['kvactor_kv_pages{state="held"}'] == 0
+    assert figures['kvactor:kv_pages{state="held"}'] == 0
 
 
 def test_models_and_health(client, server):
@@ -258,69 +258,84 @@ def test_metrics_content(client, server):
     before = scrape_metrics(server)
     client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0)
     after = scrape_metrics(server)
-    success = 'kvactor_requests_total{outcome="success"}'
+    success = 'kvactor:requests_total{outcome="success"}'
     assert after[success] == before[success] + 1
-    assert after["kvactor_generation_tokens_total"] == before["kvactor_generation_tokens_total"] + 3
-    assert after["kvactor_time_to_first_token_seconds_count"] == (
-        before["kvactor_time_to_first_token_seconds_count"] + 1
+    assert after["vllm:generation_tokens_total"] == before["vllm:generation_tokens_total"] + 3
+    assert after["vllm:time_to_first_token_seconds_count"] == (
+        before["vllm:time_to_first_token_seconds_count"] + 1
     )
-    assert after["kvactor_inter_token_latency_seconds_count"] >= (
-        before["kvactor_inter_token_latency_seconds_count"] + 2
+    assert after["vllm:inter_token_latency_seconds_count"] >= (
+        before["vllm:inter_token_latency_seconds_count"] + 2
     )
-    assert after['kvactor_request_finish_total{reason="length"}'] >= 1
-    assert after['kvactor_kv_pages{state="total"}'] == NUM_PAGES
-    pages = [after[f'kvactor_kv_pages{{state="{s}"}}'] for s in ("free", "tree", "held", "session")]
+    assert after['vllm:request_success_total{finished_reason="length"}'] >= 1
+    assert after['kvactor:kv_pages{state="total"}'] == NUM_PAGES
+    pages = [after[f'kvactor:kv_pages{{state="{s}"}}'] for s in ("free", "tree", "held", "session")]
     assert sum(pages) == NUM_PAGES
-    assert after["kvactor_kv_cache_hit_tokens_total"] >= 0
+    assert after["kvactor:kv_cache_hit_tokens_total"] >= 0
     for name in (
-        "kvactor_num_requests_running",
-        "kvactor_num_requests_waiting",
-        "kvactor_scheduler_retractions_total",
-        'kvactor_engine_stats_up{source="scheduler"}',
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "kvactor:scheduler_retractions_total",
+        'kvactor:engine_stats_up{source="scheduler"}',
     ):
         assert after[name] >= 0
-    bucket = 'kvactor_time_to_first_token_seconds_bucket{le="+Inf"}'
-    assert after[bucket] == after["kvactor_time_to_first_token_seconds_count"]
+    bucket = 'vllm:time_to_first_token_seconds_bucket{le="+Inf"}'
+    assert after[bucket] == after["vllm:time_to_first_token_seconds_count"]
 
 
-# Every series /metrics exported before it moved to prometheus_client (names unchanged;
-# every kvactor series now also carries model_name, which scrape_metrics checks).
-SERIES = [
-    *(f'kvactor_requests_total{{outcome="{o}"}}' for o in ("success", "error", "aborted")),
-    'kvactor_request_finish_total{reason="length"}',
-    "kvactor_prompt_tokens_total",
-    "kvactor_generation_tokens_total",
-    "kvactor_cached_prompt_tokens_total",
+# Every series /metrics carries: the ones vLLM exports under vLLM's names (what dashboards
+# read), kvactor's own under kvactor:; each with model_name (scrape_metrics checks it).
+VLLM_SERIES = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    'vllm:request_success_total{finished_reason="length"}',
+    'vllm:request_success_total{finished_reason="stop"}',
     *(
-        f"kvactor_{h}_{part}"
+        f"vllm:{h}_{part}"
         for h in (
             "time_to_first_token_seconds",
             "inter_token_latency_seconds",
             "e2e_request_latency_seconds",
+            "request_queue_time_seconds",
+            "request_prompt_tokens",
+            "request_generation_tokens",
         )
         for part in ("count", "sum")
     ),
-    'kvactor_engine_stats_up{source="scheduler"}',
-    'kvactor_engine_stats_up{source="allocator"}',
-    "kvactor_num_requests_running",
-    "kvactor_num_requests_waiting",
-    "kvactor_num_requests_prefilling",
-    "kvactor_scheduler_steps_total",
-    "kvactor_scheduler_retractions_total",
-    "kvactor_scheduler_prompt_tokens_total",
-    "kvactor_scheduler_generated_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+]
+SERIES = [
+    *VLLM_SERIES,
+    *(f'kvactor:requests_total{{outcome="{o}"}}' for o in ("success", "error", "aborted")),
+    'vllm:request_success_total{finished_reason="length"}',
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_hits_total",
+    'kvactor:engine_stats_up{source="scheduler"}',
+    'kvactor:engine_stats_up{source="allocator"}',
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "kvactor:num_requests_prefilling",
+    "kvactor:scheduler_steps_total",
+    "kvactor:scheduler_retractions_total",
+    "kvactor:scheduler_prompt_tokens_total",
+    "kvactor:scheduler_generated_tokens_total",
     *(
-        f'kvactor_kv_pages{{state="{s}"}}'
+        f'kvactor:kv_pages{{state="{s}"}}'
         for s in ("total", "free", "tree", "held", "session", "evictable")
     ),
-    "kvactor_kv_request_records",
-    "kvactor_kv_held_rows",
-    "kvactor_kv_cache_hit_tokens_total",
-    "kvactor_kv_evicted_pages_total",
-    "kvactor_kv_retractions_total",
-    "kvactor_kv_aborted_total",
-    "kvactor_kv_idle_checks_total",  # added with the always-on idle check
-    "kvactor_kv_idle_check_failures_total",
+    "kvactor:kv_request_records",
+    "kvactor:kv_held_rows",
+    "kvactor:kv_cache_hit_tokens_total",
+    "kvactor:kv_evicted_pages_total",
+    "kvactor:kv_retractions_total",
+    "kvactor:kv_aborted_total",
+    "kvactor:kv_idle_checks_total",  # added with the always-on idle check
+    "kvactor:kv_idle_check_failures_total",
 ]
 
 
@@ -329,11 +344,18 @@ def test_metrics_carry_every_series_and_process_metrics(client, server):
     metrics = scrape_metrics(server)
     missing = [name for name in SERIES if name not in metrics]
     assert not missing, f"series missing from /metrics: {missing}"
-    assert metrics['kvactor_engine_stats_up{source="allocator"}'] == 1
-    assert metrics["kvactor_scheduler_steps_total"] >= 2
+    assert metrics['kvactor:engine_stats_up{source="allocator"}'] == 1
+    assert metrics["kvactor:scheduler_steps_total"] >= 2
     assert metrics["process_resident_memory_bytes"] > 0  # from prometheus_client itself
-    assert metrics["kvactor_kv_idle_checks_total"] >= 1  # the engine has been idle
-    assert metrics["kvactor_kv_idle_check_failures_total"] == 0
+    assert metrics["kvactor:kv_idle_checks_total"] >= 1  # the engine has been idle
+    assert metrics["kvactor:kv_idle_check_failures_total"] == 0
+    # sensible values after a few requests
+    assert metrics["vllm:request_prompt_tokens_count"] >= 1
+    assert metrics["vllm:request_generation_tokens_sum"] >= 2
+    assert metrics["vllm:request_queue_time_seconds_count"] >= 1
+    assert 0 <= metrics["vllm:kv_cache_usage_perc"] <= 1
+    assert metrics["vllm:prefix_cache_queries_total"] >= metrics["vllm:prefix_cache_hits_total"]
+    assert metrics["vllm:prompt_tokens_total"] == metrics["vllm:prefix_cache_queries_total"]
 
 
 def test_api_key_is_required(server):

@@ -119,11 +119,11 @@ def test_tight_pool_with_aborts_and_disconnects_ends_balanced(tight_server):
     assert finishes == ["length"] * 40  # every request that stayed got all its tokens
     figures, _ = wait_idle(tight_server, timeout_s=60)
     m = scrape_metrics(tight_server)
-    assert m["kvactor_kv_request_records"] == 0 and m["kvactor_kv_held_rows"] == 0
-    assert m['kvactor_kv_pages{state="held"}'] == 0
-    assert m['kvactor_kv_pages{state="free"}'] + m['kvactor_kv_pages{state="tree"}'] == TIGHT_PAGES
-    assert m['kvactor_kv_pages{state="evictable"}'] == m['kvactor_kv_pages{state="tree"}']
-    assert m["kvactor_kv_idle_check_failures_total"] == 0
-    assert m["kvactor_kv_idle_checks_total"] >= 1
-    assert m["kvactor_scheduler_retractions_total"] + m["kvactor_kv_evicted_pages_total"] > 0
-    assert m["kvactor_kv_aborted_total"] >= 14  # the closed streams (drops may finish first)
+    assert m["kvactor:kv_request_records"] == 0 and m["kvactor:kv_held_rows"] == 0
+    assert m['kvactor:kv_pages{state="held"}'] == 0
+    assert m['kvactor:kv_pages{state="free"}'] + m['kvactor:kv_pages{state="tree"}'] == TIGHT_PAGES
+    assert m['kvactor:kv_pages{state="evictable"}'] == m['kvactor:kv_pages{state="tree"}']
+    assert m["kvactor:kv_idle_check_failures_total"] == 0
+    assert m["kvactor:kv_idle_checks_total"] >= 1
+    assert m["kvactor:scheduler_retractions_total"] + m["kvactor:kv_evicted_pages_total"] > 0
+    assert m["kvactor:kv_aborted_total"] >= 14  # the closed streams (drops may finish first)

@@ -115,7 +115,7 @@ def test_environment_overrides_reach_the_config(hf_server):
     # start_server passes --set kv.num_pages=512; an environment variable ranks below --set
     server, folder = hf_server
     metrics = scrape_metrics(server, model_name=str(folder))  # the main served name
-    assert metrics['kvactor_kv_pages{state="total"}'] == 512
+    assert metrics['kvactor:kv_pages{state="total"}'] == 512
 
 
 def test_environment_override_applies_without_a_set():

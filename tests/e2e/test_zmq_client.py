@@ -89,7 +89,7 @@ def test_stream_matches_http_and_complete(server):
 
 def test_abort_mid_stream_and_leave_early(server):
     long = GenerationParams(max_tokens=400, ignore_eos=True, temperature=0.0)
-    aborted_before = scrape_metrics(server)["kvactor_kv_aborted_total"]
+    aborted_before = scrape_metrics(server)["kvactor:kv_aborted_total"]
 
     async def run() -> None:
         async with KvactorClient(server.zmq_address) as client:
@@ -116,7 +116,7 @@ def test_abort_mid_stream_and_leave_early(server):
 
     anyio.run(run)
     wait_idle(server, timeout_s=10)
-    assert scrape_metrics(server)["kvactor_kv_aborted_total"] >= aborted_before + 2
+    assert scrape_metrics(server)["kvactor:kv_aborted_total"] >= aborted_before + 2
 
 
 def test_refusals_arrive_as_errors(server):
@@ -207,7 +207,7 @@ def test_malformed_frames_get_client_errors(server):
 
 def test_disconnected_client_has_its_requests_aborted(server):
     """A DEALER that vanishes mid-stream: the next chunk to it fails, the request aborts."""
-    aborted_before = scrape_metrics(server)["kvactor_kv_aborted_total"]
+    aborted_before = scrape_metrics(server)["kvactor:kv_aborted_total"]
 
     async def run() -> None:
         ctx = zmq.asyncio.Context.instance()
@@ -226,4 +226,4 @@ def test_disconnected_client_has_its_requests_aborted(server):
 
     anyio.run(run)
     wait_idle(server, timeout_s=10)
-    assert scrape_metrics(server)["kvactor_kv_aborted_total"] >= aborted_before + 1
+    assert scrape_metrics(server)["kvactor:kv_aborted_total"] >= aborted_before + 1

@@ -84,7 +84,7 @@ class GatewayActor(FrontendActor):
         self.scheduler_name = scheduler
         self.allocator_name = allocator
         self.max_body_bytes = max_body_bytes
-        self.metrics = GatewayMetrics(self.model_name)
+        self.metrics = GatewayMetrics(self.model_name, context_len)
         self.bound_port: int | None = None
         self._sock: socket.socket | None = None
         self._server: _EmbeddedServer | None = None

@@ -165,7 +165,7 @@ class GatewayApp:
         self._api_key = api_key.encode() if api_key else None
         self.health = health
         self.stats = stats
-        self.metrics = metrics or GatewayMetrics(self.model_name)
+        self.metrics = metrics or GatewayMetrics(self.model_name, context_len)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.routes: dict[str, dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
@@ -544,6 +544,7 @@ class GatewayApp:
                 chunk.prompt_tokens,
                 chunk.completion_tokens,
                 chunk.cached_tokens,
+                state.queue_time_s,
             )
         return offset
 

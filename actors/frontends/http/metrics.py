@@ -1,11 +1,12 @@
-"""Prometheus metrics of the gateway, through `prometheus_client`.
+"""Prometheus metrics of the gateway, through `prometheus_client`, named as dashboards expect.
 
-`GatewayMetrics` owns one registry: the gateway's own counters and latency histograms
-(requests by outcome, finish reasons, HTTP errors, tokens, TTFT, inter-token and end-to-end
-latency), the process collector (CPU, RSS, open fds of the serving process), and an
-`EngineCollector` whose gauges and counters come from the scheduler's and the allocator's
-stats, fetched by the `/metrics` handler just before each scrape. Every series carries a
-`model_name` label, as vLLM's do.
+The series vLLM exports keep vLLM's names, types and labels (`vllm:num_requests_running`,
+`vllm:time_to_first_token_seconds`, ..., each with `model_name`), so a vLLM Grafana
+dashboard reads them unchanged (`configs/grafana-dashboard.json` is ours). kvactor's own
+series (requests by HTTP outcome, KV pages by owner, records, rows, retractions, evictions,
+the idle check) are under `kvactor:`. One registry per gateway also carries the process
+collector (CPU, RSS, open fds). Engine figures come from the scheduler's and the allocator's
+stats, fetched by the `/metrics` handler right before each scrape (`EngineCollector`).
 """
 
 from __future__ import annotations
@@ -26,17 +27,94 @@ from prometheus_client.registry import Collector
 from transport.messages.alloc import KvStats
 from transport.messages.engine import SchedulerStats
 
-PREFIX = "kvactor_"
+VLLM = "vllm:"
+OWN = "kvactor:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST.encode()
 
-# Bucket upper bounds in seconds (the +Inf bucket is implicit).
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# vLLM's bucket bounds (seconds), so dashboards' quantiles line up.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 OUTCOME_SUCCESS = "success"  # finished normally (stop or length)
 OUTCOME_ERROR = "error"  # refused (4xx) or failed (5xx)
 OUTCOME_ABORTED = "aborted"  # the client left before the end
+
+
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length (vLLM's request-length buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
 
 
 class EngineCollector(Collector):
@@ -52,9 +130,8 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         m = self.model_name
-        p = PREFIX
         up = GaugeMetricFamily(
-            f"{p}engine_stats_up",
+            f"{OWN}engine_stats_up",
             "1 when the engine answered the stats query",
             labels=["model_name", "source"],
         )
@@ -64,35 +141,50 @@ class EngineCollector(Collector):
         s = self.scheduler
         if s is not None:
             yield _gauge(
-                f"{p}num_requests_running", "Requests in the running (decode) set", m, s.running
+                f"{VLLM}num_requests_running",
+                "Requests in model execution batches",
+                m,
+                s.running + s.prefilling,
             )
-            yield _gauge(f"{p}num_requests_waiting", "Requests queued for admission", m, s.waiting)
             yield _gauge(
-                f"{p}num_requests_prefilling", "Requests in chunked prefill", m, s.prefilling
+                f"{VLLM}num_requests_waiting", "Requests waiting to be admitted", m, s.waiting
             )
-            yield _counter(f"{p}scheduler_steps", "Engine steps", m, s.steps)
+            yield _gauge(
+                f"{OWN}num_requests_prefilling",
+                "Running requests still in chunked prefill",
+                m,
+                s.prefilling,
+            )
+            yield _counter(f"{OWN}scheduler_steps", "Engine steps", m, s.steps)
             yield _counter(
-                f"{p}scheduler_retractions",
+                f"{OWN}scheduler_retractions",
                 "Requests retracted under KV pressure",
                 m,
                 s.retractions,
             )
             yield _counter(
-                f"{p}scheduler_prompt_tokens",
-                "Prompt tokens computed by the engine",
+                f"{OWN}scheduler_prompt_tokens",
+                "Prompt tokens computed by the engine (cache hits excluded)",
                 m,
                 s.prompt_tokens,
             )
             yield _counter(
-                f"{p}scheduler_generated_tokens",
+                f"{OWN}scheduler_generated_tokens",
                 "Tokens generated by the engine",
                 m,
                 s.generated_tokens,
             )
         kv = self.kv
         if kv is not None:
+            in_use = kv.held_pages + kv.tree_pages - kv.evictable_pages
+            yield _gauge(
+                f"{VLLM}kv_cache_usage_perc",
+                "KV cache usage: 1 means 100 percent (pages requests hold or lock)",
+                m,
+                in_use / max(kv.total_pages, 1),
+            )
             pages = GaugeMetricFamily(
-                f"{p}kv_pages",
+                f"{OWN}kv_pages",
                 f"KV cache pages by owner ({kv.page_size} tokens a page)",
                 labels=["model_name", "state"],
             )
@@ -106,25 +198,27 @@ class EngineCollector(Collector):
             ):
                 pages.add_metric([m, state], value)
             yield pages
-            yield _gauge(f"{p}kv_request_records", "Live request KV records", m, kv.records)
-            yield _gauge(f"{p}kv_held_rows", "req-to-token rows held", m, kv.held_rows)
+            yield _gauge(f"{OWN}kv_request_records", "Live request KV records", m, kv.records)
+            yield _gauge(f"{OWN}kv_held_rows", "req-to-token rows held", m, kv.held_rows)
             yield _counter(
-                f"{p}kv_cache_hit_tokens",
+                f"{OWN}kv_cache_hit_tokens",
                 "Prompt tokens served from the prefix cache",
                 m,
                 kv.cache_hit_tokens,
             )
-            yield _counter(f"{p}kv_evicted_pages", "Prefix-tree pages evicted", m, kv.evicted_pages)
-            yield _counter(f"{p}kv_retractions", "Request records retracted", m, kv.retracted)
-            yield _counter(f"{p}kv_aborted", "Request records released by abort", m, kv.aborted)
             yield _counter(
-                f"{p}kv_idle_checks",
+                f"{OWN}kv_evicted_pages", "Prefix-tree pages evicted", m, kv.evicted_pages
+            )
+            yield _counter(f"{OWN}kv_retractions", "Request records retracted", m, kv.retracted)
+            yield _counter(f"{OWN}kv_aborted", "Request records released by abort", m, kv.aborted)
+            yield _counter(
+                f"{OWN}kv_idle_checks",
                 "KV conservation checks run when the engine went idle",
                 m,
                 kv.idle_checks,
             )
             yield _counter(
-                f"{p}kv_idle_check_failures",
+                f"{OWN}kv_idle_check_failures",
                 "Idle KV checks that found pages, records, rows or locks still held",
                 m,
                 kv.idle_check_failures,
@@ -146,55 +240,59 @@ def _counter(name: str, help_text: str, model_name: str, value: float) -> Counte
 class GatewayMetrics:
     """The gateway's registry; the app counts into it, `/metrics` renders it."""
 
-    def __init__(self, model_name: str = "") -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 4096) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        r, p, m = self.registry, PREFIX, ["model_name"]
+        r, m = self.registry, ["model_name"]
+
+        def hist(name: str, text: str, buckets) -> Histogram:
+            return Histogram(name, text, m, buckets=buckets, registry=r).labels(model_name)
+
+        def count(name: str, text: str) -> Counter:
+            return Counter(name, text, m, registry=r).labels(model_name)
+
         self._requests = Counter(
-            f"{p}requests", "HTTP generation requests by outcome", [*m, "outcome"], registry=r
-        )
-        self._finish = Counter(
-            f"{p}request_finish", "Finished choices by finish reason", [*m, "reason"], registry=r
+            f"{OWN}requests", "HTTP generation requests by outcome", [*m, "outcome"], registry=r
         )
         self._http_errors = Counter(
-            f"{p}http_errors",
+            f"{OWN}http_errors",
             "Refused or failed requests by HTTP status",
             [*m, "status"],
             registry=r,
         )
-        self._prompt_tokens = Counter(
-            f"{p}prompt_tokens", "Prompt tokens of finished choices", m, registry=r
-        ).labels(model_name)
-        self._generation_tokens = Counter(
-            f"{p}generation_tokens", "Generated tokens of finished choices", m, registry=r
-        ).labels(model_name)
-        self._cached_tokens = Counter(
-            f"{p}cached_prompt_tokens",
-            "Prompt tokens of finished choices served from the prefix cache",
-            m,
+        self._success = Counter(
+            f"{VLLM}request_success",
+            "Finished requests by finish reason",
+            [*m, "finished_reason"],
             registry=r,
-        ).labels(model_name)
-        self.ttft = Histogram(
-            f"{p}time_to_first_token_seconds",
-            "Time to first token",
-            m,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.itl = Histogram(
-            f"{p}inter_token_latency_seconds",
-            "Time between output chunks",
-            m,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            f"{p}e2e_request_latency_seconds",
-            "End-to-end request latency",
-            m,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        ).labels(model_name)
+        )
+        self._prompt_tokens = count(f"{VLLM}prompt_tokens", "Prompt tokens of finished requests")
+        self._generation_tokens = count(
+            f"{VLLM}generation_tokens", "Generated tokens of finished requests"
+        )
+        self._cache_queries = count(
+            f"{VLLM}prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self._cache_hits = count(
+            f"{VLLM}prefix_cache_hits", "Prompt tokens found in the prefix cache"
+        )
+        self.ttft = hist(f"{VLLM}time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.itl = hist(
+            f"{VLLM}inter_token_latency_seconds", "Time between output chunks", ITL_BUCKETS
+        )
+        self.e2e = hist(
+            f"{VLLM}e2e_request_latency_seconds", "End-to-end request latency", LATENCY_BUCKETS
+        )
+        self.queue = hist(
+            f"{VLLM}request_queue_time_seconds", "Time waiting for admission", LATENCY_BUCKETS
+        )
+        buckets = token_buckets(max_model_len)
+        self._prompt_len = hist(
+            f"{VLLM}request_prompt_tokens", "Prompt tokens per request", buckets
+        )
+        self._generation_len = hist(
+            f"{VLLM}request_generation_tokens", "Generated tokens per request", buckets
+        )
         self.engine = EngineCollector(model_name)
         r.register(self.engine)
         ProcessCollector(registry=r)
@@ -203,6 +301,8 @@ class GatewayMetrics:
         for outcome in (OUTCOME_SUCCESS, OUTCOME_ERROR, OUTCOME_ABORTED):
             self._requests.labels(model_name, outcome)
             self.requests[outcome] = 0
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
 
     def _count_request(self, outcome: str) -> None:
         self._requests.labels(self.model_name, outcome).inc()
@@ -216,13 +316,23 @@ class GatewayMetrics:
         self._count_request(OUTCOME_ABORTED)
 
     def count_finished(
-        self, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+        self,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        queue_time_s: float = -1.0,
     ) -> None:
         """One engine request (one choice) that ran to its end."""
-        self._finish.labels(self.model_name, str(finish_reason)).inc()
+        self._success.labels(self.model_name, str(finish_reason)).inc()
         self._prompt_tokens.inc(prompt_tokens)
         self._generation_tokens.inc(completion_tokens)
-        self._cached_tokens.inc(cached_tokens)
+        self._cache_queries.inc(prompt_tokens)
+        self._cache_hits.inc(cached_tokens)
+        self._prompt_len.observe(prompt_tokens)
+        self._generation_len.observe(completion_tokens)
+        if queue_time_s >= 0:
+            self.queue.observe(queue_time_s)
 
     def count_success(self, latency_s: float) -> None:
         """One HTTP request whose every choice finished."""
