@@ -36,9 +36,13 @@ class ModelRunnerActor(Actor):
         attention: str = "torch",
         threads: int = 0,
         own_process: bool = False,
+        quantization: str = "none",
     ) -> None:
         from kernels.cpu import choose_dtype, choose_threads
 
+        if quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {quantization!r}")
+        self.quantization = quantization
         self.model_path = model
         # Chosen here, before anything loads: a dtype this CPU cannot run fails the start.
         self.dtype, self.dtype_reason = choose_dtype(dtype)
@@ -79,6 +83,13 @@ class ModelRunnerActor(Actor):
 
         torch.set_num_threads(self.threads)
         config, model = load_model(self.model_path, self.dtype)
+        lm_head = None
+        if self.quantization == "int8":
+            from kernels.lm_head import LmHead
+            from kernels.quant import quantize_linears
+
+            quantize_linears(model.layers)  # the LM head is the executor's, below
+            lm_head = LmHead(model.lm_head_weight, config.final_logit_softcap, backend="int8")
         kv = KVCache(
             num_layers=config.num_layers,
             num_slots=(self.num_pages + 1) * self.page_size,
@@ -90,7 +101,13 @@ class ModelRunnerActor(Actor):
         table = ReqToTokenTable(self.max_rows + 1, self.row_capacity)
         self.config = config
         self.executor = ModelExecutor(
-            config, model, kv, make_attention_backend(self.attention_name), table, validate=False
+            config,
+            model,
+            kv,
+            make_attention_backend(self.attention_name),
+            table,
+            lm_head=lm_head,
+            validate=False,
         )
         self.sampler = Sampler()
 

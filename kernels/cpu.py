@@ -7,9 +7,9 @@ default `model.dtype = "auto"` picks bf16 only where the CPU has native bf16 (AV
 AMX-BF16 or AVX-NE-CONVERT) and oneDNN accepts bf16, fp32 everywhere else; every choice
 comes with the reason, which the runner logs.
 
-Threads: `model.threads = 0` ("auto") gives the runner every core it may run on when it has
-its own process, and all but one when it shares the process with the control plane (the
-scheduler, tokenizer and HTTP server need a core to stay responsive).
+Threads: `model.threads = 0` ("auto") gives the runner every core it may run on, in its own
+process or in the control plane's (measured with `bin/engine bench serve`: the actors'
+Python work between steps costs less than the core it would reserve).
 """
 
 from __future__ import annotations
@@ -106,10 +106,8 @@ def choose_threads(requested: int, own_process: bool) -> tuple[int, str]:
     if requested > 0:
         return requested, "set in the config"
     cores = cpu_features().cores
-    if own_process:
-        return cores, f"auto: every core ({cores}), the runner has its own process"
-    n = max(1, cores - 1)
-    return n, f"auto: {n} of {cores} cores, one left to the actors sharing this process"
+    where = "its own process" if own_process else "the control plane's process"
+    return cores, f"auto: every core ({cores}), the runner in {where}"
 
 
 def bf16_matmul_supported() -> bool:

@@ -10,6 +10,9 @@ Backends (all take a contiguous [N, H] input in the weight's dtype):
 - ``onednn``: oneDNN inner product on a weight reordered once into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``). Costs one extra copy of the weight.
 - ``numpy``:  OpenBLAS sgemm through numpy on a zero-copy view of the weight (fp32 only).
+- ``int8``:   the weight quantized per row to int8 (``kernels.quant``) and multiplied by
+  ``torch._weight_int8pack_mm``; approximate, so only when asked for by name (never picked by
+  ``auto`` or ``calibrate``).
 
 ``bin/engine bench lm_head`` times every backend at N = 1 / 8 / 32 on the machine at hand.
 ``backend="auto"`` uses oneDNN whenever it is available (a fixed plan, so logits are
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 BACKENDS = ("aten", "onednn", "numpy")
+APPROXIMATE_BACKENDS = ("int8",)
 DEFAULT_CALIBRATION_SIZES = (1, 8, 32)
 
 
@@ -76,10 +80,10 @@ class LmHead:
             raise ValueError(f"only the aten lm_head backend runs on {weight.device}")
         if final_softcap is not None and not final_softcap > 0:
             raise ValueError(f"final_softcap must be positive or None, got {final_softcap}")
-        if backend not in (*BACKENDS, "auto", "calibrate"):
+        if backend not in (*BACKENDS, *APPROXIMATE_BACKENDS, "auto", "calibrate"):
             raise ValueError(
                 f"unknown lm_head backend {backend!r}; choose from "
-                f"{(*BACKENDS, 'auto', 'calibrate')}"
+                f"{(*BACKENDS, *APPROXIMATE_BACKENDS, 'auto', 'calibrate')}"
             )
         self.weight = weight.detach().contiguous()
         self.final_softcap = final_softcap
@@ -93,10 +97,17 @@ class LmHead:
             raise RuntimeError("the oneDNN lm_head backend is not available on this machine")
         if backend == "numpy" and self._numpy_weight is None:
             raise ValueError("the numpy lm_head backend needs a float32 weight")
+        self._int8: tuple[Tensor, Tensor] | None = None
+        if backend == "int8":
+            from kernels.quant import quantize_rows
+
+            q, scales = quantize_rows(self.weight)
+            self._int8 = (q, scales.to(self.weight.dtype))
         self._kernels: dict[str, Callable[[Tensor], Tensor]] = {
             "aten": self._aten,
             "onednn": self._onednn,
             "numpy": self._numpy,
+            "int8": self._int8_kernel,
         }
 
         # plan: bucket batch size -> backend name; a call uses the bucket nearest its N.
@@ -171,6 +182,11 @@ class LmHead:
     def _onednn(self, rows: Tensor) -> Tensor:
         assert self._packed is not None
         return torch.ops.mkldnn._linear_pointwise(rows, self._packed, None, "none", [], "")
+
+    def _int8_kernel(self, rows: Tensor) -> Tensor:
+        assert self._int8 is not None
+        q, scales = self._int8
+        return torch._weight_int8pack_mm(rows, q, scales)
 
     def _numpy(self, rows: Tensor) -> Tensor:
         assert self._numpy_weight is not None

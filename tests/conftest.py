@@ -19,7 +19,7 @@ def tokenizer():
     return load_tokenizer(None)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_model():
     """HF transformers' Gemma 3 from the same GGUF, fp32: the reference for parity tests."""
     import torch

@@ -3,7 +3,7 @@
   bin/engine serve [MODEL] [vLLM-style flags] [--zmq ADDR] [--config F] [--set k=v ...]
   bin/engine generate "prompt" [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]
                       [--seed S] [--stop STR ...] [--chat] [--set k=v ...]
-  bin/engine bench {transport,model,lm_head,engine,serving,serve,offline} [...]
+  bin/engine bench {transport,model,lm_head,engine,serving,serve,offline,quality} [...]
 
 MODEL is a .gguf file or a Hugging Face folder (default: the embedded Gemma 3 270M).
 Precedence, lowest first: the config file, KVACTOR_<SECTION>_<KEY> environment variables,
@@ -43,6 +43,7 @@ SERVE_FLAGS = [
     ("--api-key", "server.api_key", str, "require 'Authorization: Bearer KEY' on /v1"),
     ("--max-model-len", "kv.context_len", int, "tokens per request, prompt + output"),
     ("--dtype", "model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 where native)"),
+    ("--quantization", "model.quantization", str, "none | int8 (weight-only, approximate)"),
     ("--max-num-seqs", "scheduler.max_running_requests", int, "requests decoding at once"),
     ("--chat-template", "server.chat_template", str, "a chat template file (or its text)"),
     (
@@ -141,7 +142,17 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="benchmarks (not tests)")
     bench.add_argument(
-        "what", choices=["transport", "model", "lm_head", "engine", "serving", "serve", "offline"]
+        "what",
+        choices=[
+            "transport",
+            "model",
+            "lm_head",
+            "engine",
+            "serving",
+            "serve",
+            "offline",
+            "quality",
+        ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
 
@@ -243,6 +254,8 @@ def _bench(args) -> int:
         from actors.bench.serve import main as run
     elif args.what == "offline":
         from actors.bench.offline import main as run
+    elif args.what == "quality":
+        from actors.bench.quality import main as run
     else:
         from actors.bench.engine import main as run
     result = run()

@@ -37,6 +37,7 @@ class ModelSection(_Section):
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16"] = "auto"
     attention: Literal["torch"] = "torch"
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
+    quantization: Literal["none", "int8"] = "none"  # int8: weight-only, kernels/quant.py
     # generation defaults: "auto" = the model folder's generation_config.json (if any),
     # "none" = the engine's own, or a folder holding a generation_config.json
     generation_config: str = "auto"

@@ -47,6 +47,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 attention=mdl.attention,
                 threads=mdl.threads,
                 own_process=runner_has_own_process(cfg),
+                quantization=mdl.quantization,
             ),
             group=group("runner", "main"),
         ),

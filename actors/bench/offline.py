@@ -1,10 +1,13 @@
-"""`bin/engine bench offline`: the same prompts through kvactor's offline API and through HF
-transformers' batched `generate`, in one run.
+"""`bin/engine bench offline`: the same prompts through kvactor's offline API, through a bare
+loop over the model executor, and through HF transformers' batched `generate`, in one run.
 
 Prompts are `--num-prompts` windows of a fixed English text with lengths uniform in
 [`--min-len`, `--max-len`] tokens; every request generates exactly `--new-tokens` tokens,
-greedy (EOS ignored). HF runs at each batch size of `--hf-batches` (left-padded, fp32) and
-its best one is the baseline; the ratio is kvactor's output tok/s over it.
+greedy (EOS ignored). The bare loop (`--bare`) is what the engine would be with no actors,
+messages, scheduling or detokenization: the model executor and the sampler, with the
+engine's dtype and threads, prefilling `max_batch_tokens` at a time and then decoding every
+request together; engine / bare is the serving stack's efficiency. HF runs at each batch
+size of `--hf-batches` (left-padded, fp32) and its best one is the baseline.
 """
 
 from __future__ import annotations
@@ -43,6 +46,82 @@ async def run_kvactor(cfg, batch: list[list[int]], new_tokens: int) -> dict:
         wall = time.perf_counter() - t
     out = sum(len(r.token_ids) for r in results)
     return {"wall_s": wall, "output_tokens": out, "output_tok_s": out / wall}
+
+
+def run_bare(cfg, batch: list[list[int]], new_tokens: int) -> dict:
+    """The model executor and sampler alone, over the same prompts and budgets."""
+    import torch
+
+    from kernels.attention import make_attention_backend
+    from kernels.cpu import choose_dtype, choose_threads
+    from kernels.forward_batch import ForwardBatch
+    from kernels.kv_cache import KVCache, ReqToTokenTable
+    from kernels.model_executor import ModelExecutor
+    from kernels.models import load_model
+    from kernels.sampling import Sampler
+
+    dtype, _ = choose_dtype(cfg.model.dtype)
+    threads, _ = choose_threads(cfg.model.threads, own_process=False)
+    torch.set_num_threads(threads)
+    config, model = load_model(cfg.model.path or None, dtype)
+    rows = len(batch)
+    capacity = max(len(p) for p in batch) + new_tokens + 1
+    kv = KVCache(
+        config.num_layers, rows * capacity + 1, config.num_kv_heads, config.head_dim, dtype
+    )
+    table = ReqToTokenTable(rows, capacity)
+    table.apply_slot_deltas(
+        list(range(rows)),
+        [0] * rows,
+        [capacity] * rows,
+        torch.arange(1, rows * capacity + 1, dtype=torch.int32),
+    )
+    executor = ModelExecutor(
+        config, model, kv, make_attention_backend("torch"), table, validate=False
+    )
+    sampler = Sampler()
+    params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for rid in range(rows):
+        sampler.add_request(rid, params, [])
+    budget = cfg.scheduler.max_batch_tokens
+    chunk = cfg.scheduler.chunk_size
+    last: list[int] = [0] * rows
+    lens = [0] * rows
+    t = time.perf_counter()
+    pending = list(range(rows))
+    while pending:  # prefill under the token budget, chunked like the engine
+        take, group, starts, ids, need = budget, [], [], [], []
+        while pending and take > 0:
+            rid = pending[0]
+            n = min(chunk, take, len(batch[rid]) - lens[rid])
+            group.append(rid)
+            starts.append(lens[rid])
+            ids.append(batch[rid][lens[rid] : lens[rid] + n])
+            lens[rid] += n
+            take -= n
+            done = lens[rid] == len(batch[rid])
+            need.append(done)
+            if done:
+                pending.pop(0)
+            else:
+                break
+        logits = executor.forward(ForwardBatch(group, starts, ids, need))
+        sampled = [r for r, nd in zip(group, need) if nd]
+        if sampled:
+            for rid, tok in zip(sampled, sampler.sample(sampled, logits).tokens):
+                last[rid] = tok
+    produced = rows
+    active = list(range(rows))
+    for _ in range(new_tokens - 1):
+        logits = executor.forward(
+            ForwardBatch.decode(active, [lens[r] for r in active], [last[r] for r in active])
+        )
+        for rid, tok in zip(active, sampler.sample(active, logits).tokens):
+            last[rid] = tok
+            lens[rid] += 1
+        produced += len(active)
+    wall = time.perf_counter() - t
+    return {"wall_s": wall, "output_tokens": produced, "output_tok_s": produced / wall}
 
 
 def run_hf(batch: list[list[int]], new_tokens: int, sizes: list[int], pad_id: int) -> dict:
@@ -87,6 +166,7 @@ def main() -> int:
     ap.add_argument("--hf-batches", default="8,16,32,64")
     ap.add_argument("--hf-threads", type=int, default=0, help="torch threads for HF (0: all)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--bare", action="store_true", help="also the bare executor loop")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config")
     ap.add_argument("--set", action="append", default=[])
@@ -102,6 +182,13 @@ def main() -> int:
         f"{ours['output_tokens']} tokens)",
         flush=True,
     )
+    if args.bare:
+        bare = run_bare(cfg, batch, args.new_tokens)
+        print(
+            f"bare executor loop: {bare['output_tok_s']:.1f} tok/s ({bare['wall_s']:.1f} s); "
+            f"engine / bare = {ours['output_tok_s'] / bare['output_tok_s']:.2f}",
+            flush=True,
+        )
     if args.no_hf:
         return 0
     import torch

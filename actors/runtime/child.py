@@ -38,6 +38,8 @@ class ChildPlan:
 
 def child_main(plan: ChildPlan) -> None:
     """Entry point of a child process: run the group's actors until told to stop."""
+    for spec in plan.specs:  # before the actors' modules (and torch) are imported
+        os.environ.update(spec.env)
     configure_logging()
     # SIGINT belongs to the parent (it stops the system); the child stops on its request.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -25,6 +25,9 @@ class ActorSpec:
     max_restarts: int = 3
     restart_backoff_s: float = 0.1  # doubled after each consecutive restart, capped at 5 s
     restart_window_s: float = 60.0  # crashes older than this stop counting toward the max
+    # Environment of the child process that hosts this actor, set before anything is
+    # imported there (e.g. OpenMP's wait policy); actors in this process ignore it.
+    env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.name or self.name.startswith("_") or "/" in self.name:

@@ -71,6 +71,7 @@ def make_executor(
     num_rows: int,
     row_capacity: int,
     page_size: int = 1,
+    lm_head: LmHead | None = None,
 ) -> tuple[ModelExecutor, ContiguousSlots]:
     dtype = model.embed_tokens.weight.dtype
     slots = ContiguousSlots(num_rows, row_capacity, first_slot=page_size)
@@ -86,7 +87,7 @@ def make_executor(
         kv,
         make_attention_backend("torch"),
         table,
-        lm_head=shared_lm_head(config, model),
+        lm_head=lm_head or shared_lm_head(config, model),
     )
     return executor, slots
 

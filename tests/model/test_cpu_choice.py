@@ -55,7 +55,7 @@ def test_threads(monkeypatch):
     monkeypatch.setattr(cpu, "cpu_features", lambda: AVX512_BF16)
     assert choose_threads(3, own_process=False)[0] == 3
     assert choose_threads(0, own_process=True)[0] == 8
-    assert choose_threads(0, own_process=False)[0] == 7
+    assert choose_threads(0, own_process=False)[0] == 8
     monkeypatch.setattr(
         cpu, "cpu_features", lambda: CpuFeatures("AVX2", frozenset(), False, False, 1)
     )

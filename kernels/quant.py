@@ -1,0 +1,69 @@
+"""Weight-only int8 quantization for CPU decode (opt-in: `model.quantization = "int8"`).
+
+A batch-1 decode step streams every weight once, so its speed is bytes per token: fp32
+weights read 4 bytes a parameter, bf16 2, int8 1. Each linear layer's weight (and the LM
+head's) is quantized per output channel, symmetric: w ~ q * scale with q in [-127, 127] and
+scale = max |w_row| / 127, and multiplied by torch's own CPU kernel
+`torch._weight_int8pack_mm` (activations stay in the model's dtype, accumulation in
+float). The input embedding keeps its full-precision table (a lookup reads one row).
+
+The default stays the exact path: `bin/engine bench quality` reports how far this mode's
+greedy outputs and perplexity move from fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(int8 [out, in], scales [out] in float32) with weight ~ q * scales[:, None]."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales
+
+
+class Int8Linear(nn.Module):
+    """`nn.Linear` (no bias or with one) over an int8 per-channel weight."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        dtype = linear.weight.dtype
+        q, scales = quantize_rows(linear.weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales.to(dtype))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach())
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
+        out = torch._weight_int8pack_mm(rows, self.qweight, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+def quantize_linears(module: nn.Module) -> int:
+    """Replace every `nn.Linear` inside `module` by an `Int8Linear`; returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, Int8Linear(child))
+            count += 1
+        else:
+            count += quantize_linears(child)
+    return count
+
+
+def int8_supported() -> bool:
+    """Whether torch's int8 weight-only matmul runs here."""
+    try:
+        x = torch.zeros(1, 8)
+        torch._weight_int8pack_mm(x, torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
+    except (RuntimeError, AttributeError):
+        return False
+    return True
