@@ -52,7 +52,7 @@ def quantize_linears(module: nn.Module) -> int:
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear(child))
+            module.add_module(name, Int8Linear(child))  # replaces the submodule of that name
             count += 1
         else:
             count += quantize_linears(child)

@@ -33,6 +33,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from transport.security import secure_client, secure_server
+
 KIND_CALL: Final = 1  # expects exactly one REPLY with the same request_id
 KIND_SEND: Final = 2  # fire-and-forget, never answered
 KIND_REPLY: Final = 3
@@ -149,6 +151,7 @@ class ServerChannel:
             socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if max_message_bytes is not None:
                 socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            secure_server(socket, address)
             socket.bind(address)
             self.address: str = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:
@@ -238,6 +241,7 @@ class ClientChannel:
         socket = (context or shared_context()).socket(zmq.DEALER)
         try:
             _configure(socket, hwm)
+            secure_client(socket, address)
             socket.connect(address)
         except BaseException:
             socket.close(linger=0)

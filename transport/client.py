@@ -40,6 +40,8 @@ from transport.messages.client import (
 from transport.messages.engine import ChatMessage, GenerationParams, TokenLogprob
 
 DEFAULT_FRAME_TIMEOUT_S = 600.0  # longest wait for the next frame of a request
+HEARTBEAT_IVL_MS = 1000  # ZeroMQ heartbeats of the connection (both ends send them)
+HEARTBEAT_TIMEOUT_MS = 5000
 
 
 class KvactorError(Exception):
@@ -74,8 +76,13 @@ class KvactorClient:
         *,
         context: zmq.asyncio.Context | None = None,
         frame_timeout_s: float | None = DEFAULT_FRAME_TIMEOUT_S,
+        api_key: str | None = None,
+        server_key: str | bytes | None = None,
     ) -> None:
         self.address = address
+        self.api_key = api_key
+        # The server's CURVE public key (Z85, its `zmq_server.pub`) when it runs with one.
+        self.server_key = server_key.encode() if isinstance(server_key, str) else server_key
         self.frame_timeout_s = frame_timeout_s
         self._context = context or zmq.asyncio.Context.instance()
         self._socket: zmq.asyncio.Socket | None = None
@@ -94,6 +101,15 @@ class KvactorClient:
     async def __aenter__(self) -> KvactorClient:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # Heartbeats both ways: a dead server (or a dead client, seen by the server) is
+        # noticed within seconds, not at the TCP timeout.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        if self.server_key is not None:
+            public, secret = zmq.curve_keypair()  # this client's own, for this connection
+            sock.curve_serverkey = self.server_key.strip()
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
         sock.connect(self.address)
         self._socket = sock
         task_group = anyio.create_task_group()
@@ -168,6 +184,7 @@ class KvactorClient:
             prompt_ids=prompt_ids,
             messages=messages,
             stream=True,
+            api_key=self.api_key,
         )
         return self._run(submit)
 
@@ -188,6 +205,7 @@ class KvactorClient:
             prompt_ids=prompt_ids,
             messages=messages,
             stream=False,
+            api_key=self.api_key,
         )
         async with contextlib.aclosing(self._run(submit)) as frames:
             async for frame in frames:
@@ -204,7 +222,7 @@ class KvactorClient:
 
     async def abort(self, request_id: str) -> None:
         """Ask the engine to end `request_id`; its stream then ends with finish "abort"."""
-        await self._send(ClientAbort(request_id=request_id))
+        await self._send(ClientAbort(request_id=request_id, api_key=self.api_key))
 
     async def _run(self, submit: ClientSubmit) -> AsyncGenerator[ClientChunk, None]:
         rid = submit.request_id
@@ -240,7 +258,7 @@ class KvactorClient:
             send.close()
             if not finished and self._socket is not None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                    await self._send(ClientAbort(request_id=rid))
+                    await self._send(ClientAbort(request_id=rid, api_key=self.api_key))
 
     async def _send(self, frame: ClientSubmit | ClientAbort) -> None:
         if self._socket is None:

@@ -21,6 +21,8 @@ from transport.messages.alloc import (
     AllocExtendReply,
     CacheUnfinished,
     CacheUnfinishedReply,
+    DropCache,
+    DropCacheReply,
     ExtendGrantItem,
     IdleCheck,
     IdleCheckReply,
@@ -44,7 +46,15 @@ def pack_deltas(deltas: list[SlotDelta]) -> SlotDeltas:
 
 
 class AllocatorActor(Actor):
-    inbox = AllocExtend | AllocDecode | CacheUnfinished | ReleaseBatch | IdleCheck | KvStatsRequest
+    inbox = (
+        AllocExtend
+        | AllocDecode
+        | CacheUnfinished
+        | ReleaseBatch
+        | IdleCheck
+        | KvStatsRequest
+        | DropCache
+    )
 
     def __init__(
         self,
@@ -95,6 +105,10 @@ class AllocatorActor(Actor):
             return await self._idle_check()
         elif isinstance(msg, KvStatsRequest):
             return await self._stats(msg.check_invariants)
+        elif isinstance(msg, DropCache):
+            dropped = await ledger.drop_cache()
+            self.log.warning("prefix cache dropped", pages=dropped)
+            return DropCacheReply(dropped_pages=dropped, problems=await ledger.idle_problems())
         else:
             raise TypeError(f"unexpected message {type(msg).__name__}")
         if self.debug_checks:

@@ -313,6 +313,19 @@ class KvLedger:
             problems.append(f"records (rid: row, allocated): {owners}")
         return problems
 
+    async def drop_cache(self) -> int:
+        """Evict every page of the prefix tree (its KV contents are gone, e.g. the runner
+        restarted); how many. Only with no record left: a live request may read those pages,
+        so then `LedgerError` and nothing changes."""
+        if self.records:
+            raise LedgerError(f"{len(self.records)} requests still hold KV; end them first")
+        if self.tree is None:
+            return 0
+        freed = await self.tree.evict(self.pool.num_pages)
+        self.pool.free(freed)
+        self.counters.evicted_pages += int(freed.size)
+        return int(freed.size)
+
     def held_pages(self) -> int:
         """Pages owned by live requests (not the tree's shared prefix pages)."""
         ps = self.page_size

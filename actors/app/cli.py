@@ -3,7 +3,8 @@
   bin/engine serve [MODEL] [vLLM-style flags] [--zmq ADDR] [--config F] [--set k=v ...]
   bin/engine generate "prompt" [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]
                       [--seed S] [--stop STR ...] [--chat] [--set k=v ...]
-  bin/engine bench {transport,model,lm_head,engine,serving,serve,offline,quality} [...]
+  bin/engine bench {transport,model,lm_head,engine,serving,serve,offline,quality,soak} [...]
+  bin/engine zmq-keygen DIR
 
 MODEL is a .gguf file or a Hugging Face folder (default: the embedded Gemma 3 270M).
 Precedence, lowest first: the config file, KVACTOR_<SECTION>_<KEY> environment variables,
@@ -40,7 +41,18 @@ def load_config(config_path: str | None, pairs: list[str] | None, **extra):
 SERVE_FLAGS = [
     ("--host", "server.host", str, "address to bind (default 127.0.0.1)"),
     ("--port", "server.port", int, "HTTP port (default 8000)"),
-    ("--api-key", "server.api_key", str, "require 'Authorization: Bearer KEY' on /v1"),
+    (
+        "--api-key",
+        "server.api_key",
+        str,
+        "require the key: 'Authorization: Bearer KEY' on HTTP /v1, api_key on ZeroMQ",
+    ),
+    (
+        "--zmq-curve-secret",
+        "server.zmq_curve_secret_file",
+        str,
+        "CURVE-encrypt the ZeroMQ endpoint with this secret key file (bin/engine zmq-keygen)",
+    ),
     ("--max-model-len", "kv.context_len", int, "tokens per request, prompt + output"),
     ("--dtype", "model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 where native)"),
     ("--quantization", "model.quantization", str, "none | int8 (weight-only, approximate)"),
@@ -140,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat turn")
     gen.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
 
+    keygen = sub.add_parser(
+        "zmq-keygen", help="write a CURVE keypair for the ZeroMQ endpoint into DIR"
+    )
+    keygen.add_argument("dir")
+
     bench = sub.add_parser("bench", help="benchmarks (not tests)")
     bench.add_argument(
         "what",
@@ -152,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             "serve",
             "offline",
             "quality",
+            "soak",
         ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
@@ -161,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         return anyio.run(_serve, args)
     if args.cmd == "generate":
         return anyio.run(_generate, args)
+    if args.cmd == "zmq-keygen":
+        from transport.security import write_curve_keypair
+
+        public, secret = write_curve_keypair(args.dir)
+        print(f"secret key (serve --zmq-curve-secret): {secret}\npublic key (clients): {public}")
+        return 0
     return _bench(args)
 
 
@@ -206,6 +230,34 @@ async def _generate(args) -> int:
     return 0
 
 
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name that may resolve anywhere
+
+
+def exposure_warnings(cfg, zmq_address: str | None) -> list[str]:
+    """What is reachable beyond this machine with no API key."""
+    if cfg.server.api_key:
+        return []
+    out = []
+    if not is_loopback(cfg.server.host):
+        out.append(
+            f"HTTP is bound to {cfg.server.host}, reachable from other machines, with no "
+            "API key: anyone who can reach it can use it (set --api-key)"
+        )
+    if zmq_address and zmq_address.startswith("tcp://"):
+        host = zmq_address.removeprefix("tcp://").rsplit(":", 1)[0]
+        if not is_loopback(host):
+            out.append(f"ZeroMQ is bound to {zmq_address} with no API key (set --api-key)")
+    return out
+
+
 async def _serve(args) -> int:
     from actors.app.config import ConfigError
     from actors.app.model_info import served_names
@@ -213,6 +265,8 @@ async def _serve(args) -> int:
     from actors.app.specs import serving_specs
 
     cfg = load_config(args.config, args.set, **serve_overrides(args))
+    for warning in exposure_warnings(cfg, args.zmq):
+        print(f"bin/engine: warning: {warning}", file=sys.stderr, flush=True)
     try:
         specs = serving_specs(cfg, zmq_address=args.zmq)
     except ConfigError as exc:
@@ -229,8 +283,22 @@ async def _serve(args) -> int:
         async with anyio.create_task_group() as tg:
 
             async def on_signal() -> None:
+                # SIGTERM / SIGINT: drain (no new requests, the running ones finish within
+                # server.drain_timeout_s, the rest end with an error), then exit 0. A second
+                # signal stops at once.
                 with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
+                    async for signum in signals:
+                        print(f"signal {signum}: draining", file=sys.stderr, flush=True)
+                        async with anyio.create_task_group() as drain:
+
+                            async def second_signal() -> None:
+                                async for _ in signals:
+                                    drain.cancel_scope.cancel()
+                                    return
+
+                            drain.start_soon(second_signal)
+                            await eng.drain(cfg.server.drain_timeout_s)
+                            drain.cancel_scope.cancel()
                         tg.cancel_scope.cancel()
                         return
 
@@ -256,6 +324,8 @@ def _bench(args) -> int:
         from actors.bench.offline import main as run
     elif args.what == "quality":
         from actors.bench.quality import main as run
+    elif args.what == "soak":
+        from actors.bench.soak import main as run
     else:
         from actors.bench.engine import main as run
     result = run()

@@ -56,6 +56,7 @@ class SchedulerSection(_Section):
     max_batch_tokens: int = 1024  # tokens per step: every decode token, then prefill chunks
     chunk_size: int = 512  # largest prefill chunk of one request in one step
     policy: Literal["fcfs", "lpm"] = "fcfs"
+    max_waiting_requests: int = 256  # beyond running + this many, requests get HTTP 429
     new_token_ratio: float = 0.7  # share of max_tokens reserved at admission, decaying to
     min_new_token_ratio: float = 0.1  # this floor while no retraction happens
 
@@ -64,6 +65,9 @@ class EngineSection(_Section):
     transport: Literal["inproc", "ipc", "tcp"] = "inproc"
     debug_checks: bool = False  # run the KV invariant checker after every allocator message
     groups: dict[str, str] = msgspec.field(default_factory=dict)  # actor -> process group
+    # A runner that crashes (or whose process dies): "shutdown" stops the engine (exit 1);
+    # "restart" ends its requests with an error, drops the prefix cache and starts a new one.
+    runner_on_crash: Literal["shutdown", "restart"] = "shutdown"
 
 
 class ServerSection(_Section):
@@ -75,6 +79,13 @@ class ServerSection(_Section):
     chat_template: str = ""  # "" = the model's; else a file path or the template itself
     allowed_origins: list[str] = msgspec.field(default_factory=list)  # CORS; [] = off
     sse_keepalive_s: float = 5.0  # a stream silent this long gets an SSE comment
+    stuck_after_s: float = 120.0  # /health: an actor on one message this long is down
+    header_timeout_s: float = 10.0  # a request head not complete this long: 408, closed
+    body_timeout_s: float = 30.0  # a request body not complete this long: 408, closed
+    keepalive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 1024  # open connections at most; more are refused with 503
+    drain_timeout_s: float = 30.0  # on SIGTERM: running requests get this long to finish
+    zmq_curve_secret_file: str = ""  # "" = plain ZeroMQ; else CURVE with this secret key
 
 
 class EngineConfig(_Section):

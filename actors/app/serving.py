@@ -15,8 +15,22 @@ from actors.app.config import EngineConfig
 from actors.app.specs import engine_specs
 from actors.frontends.base import EngineClient, FrontendActor, GenerationResult
 from actors.runtime import ActorSpec, ActorSystem
+from actors.runtime.logging import get_logger
+from transport.channel import ChannelClosed
 from transport.messages.alloc import KvStats, KvStatsRequest
-from transport.messages.engine import GenerationParams, SchedulerStats, SchedulerStatsRequest
+from transport.messages.control import StatsReply, StatsRequest
+from transport.messages.engine import (
+    EndStreams,
+    GenerationParams,
+    SchedulerStats,
+    SchedulerStatsRequest,
+    StopAccepting,
+)
+
+_log = get_logger("serve")
+
+
+_SERVING_FRONTENDS = ("gateway", "zmq_endpoint")
 
 
 class ServingEngine:
@@ -54,6 +68,44 @@ class ServingEngine:
         return await self.system.ref("scheduler").call(
             SchedulerStatsRequest(), expect=SchedulerStats
         )
+
+    @property
+    def frontend_names(self) -> list[str]:
+        """The actors clients reach the engine through (each a `FrontendActor`)."""
+        return [s.name for s in self.system.specs if s.name in ("frontend", *_SERVING_FRONTENDS)]
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop taking requests, let the open ones finish for up to `grace_s`, then end the
+        rest with an error their clients see; how many were ended that way."""
+        names = self.frontend_names
+        for name in names:
+            await self.system.ref(name).send(StopAccepting())
+        open_streams = await self._open_streams(names)
+        _log.info("draining", open_streams=open_streams, grace_s=grace_s)
+        with anyio.move_on_after(grace_s):
+            while open_streams:
+                await anyio.sleep(0.1)
+                open_streams = await self._open_streams(names)
+        if open_streams:
+            for name in names:
+                await self.system.ref(name).send(
+                    EndStreams(reason="the server shut down before this request finished")
+                )
+            await anyio.sleep(0.5)  # the frontends write those errors out
+        _log.info("drained", ended_with_error=open_streams)
+        return open_streams
+
+    async def _open_streams(self, names: list[str]) -> int:
+        total = 0
+        for name in names:
+            try:
+                reply = await self.system.ref(name).call(
+                    StatsRequest(), expect=StatsReply, timeout=2.0
+                )
+            except (TimeoutError, ChannelClosed):
+                continue
+            total += int(reply.values.get("open_streams", 0))
+        return total
 
     async def generate_batch(
         self,

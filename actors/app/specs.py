@@ -50,6 +50,9 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 quantization=mdl.quantization,
             ),
             group=group("runner", "main"),
+            on_crash=cfg.engine.runner_on_crash,
+            # The scheduler ends the requests whose step the crash lost (error to clients).
+            crash_watchers=("scheduler",),
         ),
         ActorSpec(
             "allocator",
@@ -84,7 +87,10 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
             "tokenizer",
             "actors.tokenizer.actor:TokenizerActor",
             dict(
-                context_len=kv.context_len, model=model_path, chat_template=read_chat_template(cfg)
+                context_len=kv.context_len,
+                model=model_path,
+                chat_template=read_chat_template(cfg),
+                max_in_flight=sch.max_running_requests + sch.max_waiting_requests,
             ),
             group=group("tokenizer", "main"),
         ),
@@ -120,6 +126,11 @@ def serving_specs(cfg: EngineConfig, zmq_address: str | None = None) -> list[Act
                 generation_defaults=generation_defaults(cfg),
                 allowed_origins=srv.allowed_origins,
                 sse_keepalive_s=srv.sse_keepalive_s,
+                stuck_after_s=srv.stuck_after_s,
+                header_timeout_s=srv.header_timeout_s,
+                body_timeout_s=srv.body_timeout_s,
+                keepalive_timeout_s=srv.keepalive_timeout_s,
+                max_connections=srv.max_connections,
                 watched_actors=core_actor_names(cfg),
             ),
             group="main",
@@ -130,7 +141,11 @@ def serving_specs(cfg: EngineConfig, zmq_address: str | None = None) -> list[Act
             ActorSpec(
                 "zmq_endpoint",
                 "actors.frontends.zmq_endpoint:ZmqEndpointActor",
-                dict(address=zmq_address),
+                dict(
+                    address=zmq_address,
+                    api_key=srv.api_key or None,
+                    curve_secret_file=srv.zmq_curve_secret_file or None,
+                ),
                 group="main",
             )
         )

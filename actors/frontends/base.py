@@ -30,13 +30,18 @@ from transport.messages.engine import (
     ChatMessage,
     DetokenizeReply,
     DetokenizeRequest,
+    EndStreams,
+    FinishReason,
     GenerateRequest,
     GenerationParams,
     OutputBatch,
     OutputChunk,
+    StopAccepting,
     TokenizeReply,
     TokenizeRequest,
 )
+
+ERR_ENGINE_STOPPED = "engine_stopped"  # the engine stopped (or its runner failed) mid-request
 
 
 class GenerationError(Exception):
@@ -64,6 +69,19 @@ class StreamRouter:
         if send is not None:
             send.close()
 
+    def fail_all(self, reason: str) -> int:
+        """End every open stream with an error chunk saying `reason`; how many there were."""
+        rids = list(self._streams)
+        for rid in rids:
+            self.deliver(
+                [
+                    OutputChunk(
+                        client_rid=rid, text=reason, token_ids=[], finish_reason=FinishReason.ERROR
+                    )
+                ]
+            )
+        return len(rids)
+
     def deliver(self, chunks: list[OutputChunk]) -> None:
         for chunk in chunks:
             send = self._streams.get(chunk.client_rid)
@@ -83,19 +101,29 @@ class FrontendActor(Actor):
     Subclasses that override `on_start` call `super().on_start()` first.
     """
 
-    inbox = OutputBatch
+    inbox = OutputBatch | StopAccepting | EndStreams
 
     def __init__(self, tokenizer: str = "tokenizer") -> None:
         self.tokenizer_name = tokenizer
         self.router = StreamRouter()
         self.client: EngineClient | None = None
+        self.accepting = True  # False while the server drains: new requests are refused
 
     async def on_start(self) -> None:
         self.client = EngineClient(self.ref(self.tokenizer_name), self.router, self.name)
 
     async def handle(self, msg, sender):
-        self.router.deliver(msg.chunks)
+        if isinstance(msg, OutputBatch):
+            self.router.deliver(msg.chunks)
+        elif isinstance(msg, StopAccepting):
+            self.accepting = False
+        elif isinstance(msg, EndStreams):
+            self.router.fail_all(msg.reason)
         return None
+
+    async def on_stop(self) -> None:
+        # Every client still waiting hears why its stream ends (never a silent cut).
+        self.router.fail_all("the engine stopped")
 
     def stats(self) -> dict[str, int | float]:
         return {"open_streams": len(self.router)}
@@ -167,6 +195,10 @@ class EngineClient:
                 on_accepted(accepted)
             async with recv:
                 async for chunk in recv:
+                    if chunk.finish_reason == FinishReason.ERROR:
+                        # Not marked finished: when the end came from this side (a shutdown)
+                        # the engine may still run it, so it is aborted (harmless otherwise).
+                        raise GenerationError(ERR_ENGINE_STOPPED, chunk.text)
                     if chunk.finish_reason is not None:
                         finished = True
                     yield chunk

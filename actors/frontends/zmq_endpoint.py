@@ -16,11 +16,18 @@ Invariants:
   vanishing: every live request of that client is ended. A client whose send queue is full
   (it stopped reading) has the request being written to ended rather than silently losing
   frames.
+* A request belongs to the connection it came in on (the frame's source fd): when that
+  connection closes, or stops answering ZeroMQ heartbeats, the socket monitor reports it
+  and the request ends at once, streaming or not. A later peer that presents the same
+  routing id never receives it.
+* With an API key, every frame must carry it; with a CURVE secret, the socket is a CURVE
+  server (clients need its public key).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -28,9 +35,11 @@ from dataclasses import dataclass, field
 import anyio
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from actors.frontends.base import FrontendActor, GenerationError
 from actors.tokenizer.validation import ERR_INVALID_REQUEST as ENGINE_INVALID_REQUEST
+from actors.tokenizer.validation import ERR_OVERLOADED as ENGINE_OVERLOADED
 from transport.channel import ChannelClosed, shared_context
 from transport.codec import Codec, DecodeFailure
 from transport.messages.client import (
@@ -38,7 +47,10 @@ from transport.messages.client import (
     ERR_ENGINE,
     ERR_INVALID_REQUEST,
     ERR_MALFORMED,
+    ERR_OVERLOADED,
+    ERR_SHUTTING_DOWN,
     ERR_SLOW_CLIENT,
+    ERR_UNAUTHORIZED,
     FINISH_ABORT,
     MAX_CLIENT_FRAME_BYTES,
     MAX_REQUEST_ID_CHARS,
@@ -50,10 +62,13 @@ from transport.messages.client import (
     ClientUsage,
 )
 from transport.messages.engine import OutputChunk, TokenLogprob
+from transport.security import read_curve_secret
 
 # Hard cap enforced by libzmq: a peer sending a bigger message is disconnected. Frames between
 # MAX_CLIENT_FRAME_BYTES and this get a ClientError instead.
 _ZMQ_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_HEARTBEAT_IVL_MS = 1000  # ZeroMQ heartbeats: a peer silent for the timeout is gone
+_HEARTBEAT_TIMEOUT_MS = 5000
 _CLIENT_HWM = 100_000  # frames queued per client before it counts as not reading
 
 
@@ -65,6 +80,7 @@ class _Route:
     request_id: str
     engine_rid: str
     stream: bool
+    fd: int = -1  # the client connection it came in on
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     ended: bool = False  # the client got its final frame (or can get none)
     prompt_tokens: int = 0
@@ -84,15 +100,29 @@ class _Route:
 
 
 class ZmqEndpointActor(FrontendActor):
-    def __init__(self, address: str, tokenizer: str = "tokenizer") -> None:
+    def __init__(
+        self,
+        address: str,
+        tokenizer: str = "tokenizer",
+        api_key: str | None = None,
+        curve_secret_file: str | None = None,
+    ) -> None:
         super().__init__(tokenizer)
         self.address = address
+        self._api_key = api_key.encode() if api_key else None
+        # CURVE on the client socket: clients need the server's public key (encryption and
+        # server identity); who may submit is still decided by the API key.
+        self._curve_secret = read_curve_secret(curve_secret_file) if curve_secret_file else None
+        self._context: zmq.asyncio.Context | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self.codec: Codec = Codec(ClientRequestFrame, max_message_bytes=MAX_CLIENT_FRAME_BYTES)
         self.clients: dict[bytes, dict[str, _Route]] = {}
         self._ids = itertools.count(1)
         self._prefix = f"zmq-{os.getpid()}-{id(self):x}"
         self._socket: zmq.asyncio.Socket | None = None
         self.counters = {
+            "unauthorized": 0,
+            "departed": 0,
             "submitted": 0,
             "refused": 0,
             "aborted": 0,
@@ -103,27 +133,50 @@ class ZmqEndpointActor(FrontendActor):
 
     async def on_start(self) -> None:
         await super().on_start()
-        sock = shared_context().socket(zmq.ROUTER)
+        if self._curve_secret is not None:
+            # Its own context: the internal sockets' ZAP handler must not judge clients.
+            self._context = zmq.asyncio.Context()
+        sock = (self._context or shared_context()).socket(zmq.ROUTER)
         try:
+            if self._curve_secret is not None:
+                sock.curve_secretkey = self._curve_secret
+                sock.curve_publickey = zmq.curve_public(self._curve_secret)
+                sock.curve_server = True
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.SNDHWM, _CLIENT_HWM)
             sock.setsockopt(zmq.RCVHWM, _CLIENT_HWM)
             sock.setsockopt(zmq.MAXMSGSIZE, _ZMQ_MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
             sock.bind(self.address)  # raises (address in use, bad address): the actor crashes
         except BaseException:
             sock.close(linger=0)
             raise
         self._socket = sock
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.spawn(self._serve_clients)
+        self.spawn(self._watch_disconnects)
         self.log.info("zmq endpoint listening", address=self.address)
 
     async def on_stop(self) -> None:
-        # The request tasks were cancelled with the actor; each aborted its request.
+        # The request tasks were cancelled with the actor (each aborted its request); a
+        # client still waiting is told why its request ends before the socket closes.
+        for routes in list(self.clients.values()):
+            for route in list(routes.values()):
+                self._refuse(route, ERR_ENGINE, "the engine stopped before this request finished")
         self.clients.clear()
+        await super().on_stop()
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._socket is not None:
-            self._socket.close(linger=0)
+            self._socket.disable_monitor()
+            self._socket.close(linger=500)  # those last frames get half a second to leave
             self._socket = None
+        if self._context is not None:
+            self._context.term()
+            self._context = None
 
     def stats(self) -> dict[str, int | float]:
         live = sum(len(routes) for routes in self.clients.values())
@@ -139,10 +192,22 @@ class ZmqEndpointActor(FrontendActor):
     async def _serve_clients(self) -> None:
         assert self._socket is not None
         while True:
-            frames = await self._socket.recv_multipart()
-            self._on_frames(frames)
+            parts = await self._socket.recv_multipart(copy=False)
+            # The connection (its file descriptor) the message came in on: a request is
+            # bound to it, not only to the routing id a later peer could take over.
+            fd = parts[-1].get(zmq.SRCFD)
+            self._on_frames([part.bytes for part in parts], fd)
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    async def _watch_disconnects(self) -> None:
+        """The socket's monitor: a connection that closes (or misses its heartbeats) ends
+        every request that came in on it, streaming or not."""
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._on_connection_closed(int(event["value"]))
+
+    def _on_frames(self, frames: list[bytes], fd: int = -1) -> None:
         identity = frames[0]
         if len(frames) != 2:
             self.counters["malformed"] += 1
@@ -157,15 +222,43 @@ class ZmqEndpointActor(FrontendActor):
             self.counters["malformed"] += 1
             self._error(identity, ERR_MALFORMED, f"undecodable frame: {message}"[:2000])
             return
+        if self._api_key is not None and not hmac.compare_digest(
+            (message.api_key or "").encode(), self._api_key
+        ):
+            self.counters["unauthorized"] += 1
+            self._error(identity, ERR_UNAUTHORIZED, "missing or wrong api_key", message.request_id)
+            return
+        routes = self.clients.get(identity)
+        if routes and any(route.fd != fd for route in routes.values()):
+            # A new connection took over this routing id: the old one is gone (its close
+            # may not have been reported yet), and so are its requests.
+            self._end_routes([r for r in routes.values() if r.fd != fd])
         if isinstance(message, ClientSubmit):
-            self._on_submit(identity, message)
+            self._on_submit(identity, message, fd)
         elif isinstance(message, ClientAbort):
             route = self.clients.get(identity, {}).get(message.request_id)
             if route is not None:
                 self._abort(route)
 
-    def _on_submit(self, identity: bytes, msg: ClientSubmit) -> None:
+    def _on_connection_closed(self, fd: int) -> None:
+        gone = [r for routes in self.clients.values() for r in routes.values() if r.fd == fd]
+        if gone:
+            self.counters["departed"] += 1
+            self._end_routes(gone)
+
+    def _end_routes(self, routes: list[_Route]) -> None:
+        """End requests whose client has gone: nothing more is sent to their routing id."""
+        for route in routes:
+            route.ended = True
+            self.counters["aborted"] += 1
+            route.scope.cancel()  # the request's task aborts it in the engine
+            self._forget(route)
+
+    def _on_submit(self, identity: bytes, msg: ClientSubmit, fd: int = -1) -> None:
         rid = msg.request_id
+        if not self.accepting:
+            self._error(identity, ERR_SHUTTING_DOWN, "the engine is shutting down", rid)
+            return
         if not rid or len(rid) > MAX_REQUEST_ID_CHARS:
             self._error(
                 identity,
@@ -178,7 +271,7 @@ class ZmqEndpointActor(FrontendActor):
         if rid in routes:
             self._error(identity, ERR_DUPLICATE_ID, f"request {rid!r} is already running", rid)
             return
-        route = _Route(identity, rid, f"{self._prefix}-{next(self._ids)}", msg.stream)
+        route = _Route(identity, rid, f"{self._prefix}-{next(self._ids)}", msg.stream, fd)
         routes[rid] = route
         self.counters["submitted"] += 1
         self.spawn(self._run, route, msg)
@@ -200,7 +293,10 @@ class ZmqEndpointActor(FrontendActor):
                         if not self._forward(route, chunk):
                             return
         except GenerationError as exc:
-            code = ERR_INVALID_REQUEST if exc.code == ENGINE_INVALID_REQUEST else ERR_ENGINE
+            code = {
+                ENGINE_INVALID_REQUEST: ERR_INVALID_REQUEST,
+                ENGINE_OVERLOADED: ERR_OVERLOADED,
+            }.get(exc.code, ERR_ENGINE)
             self._refuse(route, code, exc.message)
         except (TimeoutError, ChannelClosed) as exc:
             self._refuse(route, ERR_ENGINE, f"{type(exc).__name__}: {exc}")

@@ -1,4 +1,4 @@
-"""The actor runtime: the ``Actor`` base class, ``ActorRef`` handles and the mailbox loop.
+"""``ActorCell``: one actor instance on its mailbox, and the failure rules of the runtime.
 
 One ``ActorCell`` runs one actor instance: it binds the actor's ROUTER endpoint, runs
 ``on_start``, then serves the mailbox strictly one message at a time in arrival order, then
@@ -15,14 +15,17 @@ Failure rules, enforced here:
 * An exception in a background task (``Actor.spawn`` / ``Actor.every``) crashes the actor.
 * A payload that fails to decode against the inbox is answered with ``ErrorReply``
   (``bad_message``) when it was a call, counted, and never crashes the loop.
-* ``Ping``, ``StatsRequest`` and ``Shutdown`` are answered by the runtime, in mailbox order.
+* ``Ping`` is answered by the runtime at once, even while a long message is being handled
+  (``Pong.busy_s`` says for how long: health tells busy from stuck). ``StatsRequest`` is
+  answered by the runtime in mailbox order; ``Shutdown`` is obeyed in mailbox order, and
+  only from the actor system (``CONTROL_SENDERS``); from anyone else it is refused.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -58,6 +61,9 @@ DEFAULT_STOP_TIMEOUT_S: Final = 5.0
 # A mailbox loop yields to the event loop after this many messages that needed no wait.
 _MESSAGES_PER_YIELD: Final = 32
 _BIND_RETRY_S: Final = 2.0
+_MAILBOX_QUEUE: Final = 10_000  # messages received ahead of the one being handled
+# Senders whose Shutdown an actor obeys: the actor system and the hosts of its processes.
+CONTROL_SENDERS: Final = frozenset({"system"})
 
 _ACK_PAYLOAD: Final = msgspec.msgpack.encode(Ack())
 _encoder = msgspec.msgpack.Encoder()
@@ -133,6 +139,7 @@ class ActorCell:
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        backlog: Sequence[Any] = (),
     ) -> None:
         if not actor.name:
             raise ValueError(f"actor {type(actor).__name__} has no name")
@@ -151,6 +158,12 @@ class ActorCell:
         self._stop_requested = False
         self._started_at = time.monotonic()
         self._pid = os.getpid()
+        self._busy_since: float | None = None  # when the message being handled began
+        self._queued = 0
+        self._in_hand: Any = None  # received, waiting for room in a full queue
+        # Received, not yet handled: given by the host to a restarted instance, and left
+        # here after a crash for the next one.
+        self.backlog: list[Any] = list(backlog)
         actor._cell = self
 
     def stop(self) -> None:
@@ -210,58 +223,120 @@ class ActorCell:
         self.refs.close()
 
     async def _serve(self) -> None:
-        """The mailbox loop; returns after a Shutdown, raises to crash the actor."""
+        """The mailbox: returns after a Shutdown, raises to crash the actor.
+
+        A receiver answers Ping at once (with how long the current message has been running,
+        so health can tell "busy" from "stuck") and queues every other message for one
+        worker, which hands them to `handle` strictly one at a time in arrival order.
+        StatsRequest and Shutdown take their place in that order.
+        """
+        send_queue, receive_queue = anyio.create_memory_object_stream[Any](_MAILBOX_QUEUE)
+        for item in self.backlog:  # received by an earlier instance, never handled
+            send_queue.send_nowait(item)
+            self._queued += 1
+        self.backlog = []
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._receive, send_queue)
+                await self._work(receive_queue)
+                group.cancel_scope.cancel()
+        finally:
+            # Whatever was received but not handled goes to the next instance (a restart).
+            while True:
+                try:
+                    self.backlog.append(receive_queue.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+            if self._in_hand is not None:
+                self.backlog.append(self._in_hand)
+                self._in_hand = None
+            receive_queue.close()
+
+    async def _receive(self, queue: Any) -> None:
         server = self._server
         decode = self._codec.decode
+        async with queue:
+            while True:
+                incoming = await server.recv()
+                envelope = incoming.envelope
+                message = decode(incoming.payload)
+                if isinstance(message, DecodeFailure):
+                    self._reject(incoming.peer, envelope, message)
+                elif isinstance(message, Ping):
+                    self._control(incoming.peer, envelope, message)
+                elif isinstance(message, Shutdown) and envelope.sender not in CONTROL_SENDERS:
+                    self._refuse_control(incoming.peer, envelope)
+                else:
+                    self._queued += 1
+                    try:  # never lose a received message to a cancellation (a crash)
+                        queue.send_nowait((incoming, message))
+                    except anyio.WouldBlock:
+                        self._in_hand = (incoming, message)
+                        await queue.send(self._in_hand)
+                        self._in_hand = None
+
+    async def _work(self, queue: Any) -> None:
+        server = self._server
         handle = self.actor.handle
         counters = self.counters
         debug = debug_enabled()
         since_yield = 0
-        while True:
-            incoming = await server.recv()
+        # the queue is closed by _serve, which hands what is left to a restart
+        async for incoming, message in queue:
+            self._queued -= 1
             envelope = incoming.envelope
-            message = decode(incoming.payload)
-            if isinstance(message, DecodeFailure):
-                self._reject(incoming.peer, envelope, message)
-                continue
-            if isinstance(message, (Ping, StatsRequest, Shutdown)):
+            if isinstance(message, (StatsRequest, Shutdown)):
                 if self._control(incoming.peer, envelope, message):
                     return
                 continue
             counters.handled += 1
             if debug:
                 self.log.debug("handle", message=type(message).__name__, sender=envelope.sender)
-            if envelope.is_call:
-                counters.calls += 1
-                try:
-                    result = await handle(message, envelope)
-                except Exception as exc:
-                    counters.handler_errors += 1
-                    self._log_handler_error(exc, message, envelope)
-                    reply = ErrorReply(
-                        code=ERR_HANDLER,
-                        message=describe_exception(exc),
-                        detail=format_traceback(exc),
-                    )
-                    server.reply(incoming.peer, envelope.request_id, _encoder.encode(reply))
-                    continue
-                self._reply_result(incoming.peer, envelope, message, result)
-            else:
-                counters.sends += 1
-                try:
-                    await handle(message, envelope)
-                except HandledError as exc:
-                    counters.handler_errors += 1
-                    self._log_handler_error(exc, message, envelope)
-                except Exception as exc:
-                    counters.handler_errors += 1
-                    raise _ActorFailed(
-                        f"{type(message).__name__} from {envelope.sender!r} failed"
-                    ) from exc
+            self._busy_since = time.monotonic()
+            try:
+                if envelope.is_call:
+                    counters.calls += 1
+                    try:
+                        result = await handle(message, envelope)
+                    except Exception as exc:
+                        counters.handler_errors += 1
+                        self._log_handler_error(exc, message, envelope)
+                        reply = ErrorReply(
+                            code=ERR_HANDLER,
+                            message=describe_exception(exc),
+                            detail=format_traceback(exc),
+                        )
+                        server.reply(incoming.peer, envelope.request_id, _encoder.encode(reply))
+                        continue
+                    self._reply_result(incoming.peer, envelope, message, result)
+                else:
+                    counters.sends += 1
+                    try:
+                        await handle(message, envelope)
+                    except HandledError as exc:
+                        counters.handler_errors += 1
+                        self._log_handler_error(exc, message, envelope)
+                    except Exception as exc:
+                        counters.handler_errors += 1
+                        raise _ActorFailed(
+                            f"{type(message).__name__} from {envelope.sender!r} failed"
+                        ) from exc
+            finally:
+                self._busy_since = None
             since_yield += 1
             if since_yield >= _MESSAGES_PER_YIELD:
                 since_yield = 0
                 await anyio.lowlevel.checkpoint()
+        raise _ActorFailed("the mailbox closed")
+
+    def _refuse_control(self, peer: bytes, envelope: Envelope) -> None:
+        self.counters.decode_failures += 1
+        self.log.warning("control message refused", sender=envelope.sender)
+        if envelope.is_call:
+            reply = ErrorReply(
+                code=ERR_BAD_MESSAGE, message="Shutdown is accepted from the supervisor only"
+            )
+            self._server.reply(peer, envelope.request_id, _encoder.encode(reply))
 
     def _reply_result(
         self, peer: bytes, envelope: Envelope, message: Message, result: object
@@ -296,8 +371,14 @@ class ActorCell:
         server = self._server
         reply: Message
         if isinstance(message, Ping):
+            now = time.monotonic()
+            busy = 0.0 if self._busy_since is None else now - self._busy_since
             reply = Pong(
-                actor=self.name, pid=self._pid, uptime_s=time.monotonic() - self._started_at
+                actor=self.name,
+                pid=self._pid,
+                uptime_s=now - self._started_at,
+                busy_s=busy,
+                queued=self._queued,
             )
         elif isinstance(message, StatsRequest):
             values = self.counters.as_dict()

@@ -19,6 +19,7 @@ from transport.address import IpcDirectory, Transport
 from transport.channel import ChannelClosed, ClientChannel, ServerChannel
 from transport.codec import Codec, DecodeFailure
 from transport.messages.control import Ack, ActorCrashed, Ping, Pong, Shutdown
+from transport.security import EngineKeys, activate
 
 SUPERVISOR_ENDPOINT: Final = "_supervisor"  # the parent's inbox for ActorCrashed notices
 HOST_ENDPOINT_PREFIX: Final = "_host."  # a child host's control inbox: "_host.<group>"
@@ -34,12 +35,14 @@ class ChildPlan:
     timeouts: HostTimeouts
     system_id: str
     transport: Transport
+    keys: EngineKeys | None = None  # CURVE keys of a tcp system
 
 
 def child_main(plan: ChildPlan) -> None:
     """Entry point of a child process: run the group's actors until told to stop."""
     for spec in plan.specs:  # before the actors' modules (and torch) are imported
         os.environ.update(spec.env)
+    activate(plan.keys)
     configure_logging()
     # SIGINT belongs to the parent (it stops the system); the child stops on its request.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

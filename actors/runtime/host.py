@@ -7,7 +7,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import anyio
 from anyio.abc import TaskStatus
@@ -80,16 +80,23 @@ class ActorHost:
         mailbox: ServerChannel | None = None
         crash_times: deque[float] = deque()
         consecutive = 0
+        backlog: list[Any] = []  # received by a crashed instance, not handled
         try:
             while not self._stopping:
                 try:
                     if mailbox is None:
                         mailbox = await bind_mailbox(self.directory[spec.name])
-                    report = await self._run_once(spec, mailbox)
+                    report, backlog = await self._run_once(spec, mailbox, backlog)
                 except Exception as exc:  # binding or building the actor failed
                     report = CrashReport.from_exception(exc)
-                if report is None or self._stopping:
+                if self._stopping:
                     return
+                if report is None:
+                    # It stopped although nobody here asked it to: that is a crash too (an
+                    # actor that just vanishes would leave the system a zombie).
+                    report = CrashReport(
+                        error="the actor stopped without being asked to", traceback=""
+                    )
                 now = time.monotonic()
                 while crash_times and now - crash_times[0] > spec.restart_window_s:
                     crash_times.popleft()
@@ -124,7 +131,9 @@ class ActorHost:
             if mailbox is not None:
                 mailbox.close()
 
-    async def _run_once(self, spec: ActorSpec, mailbox: ServerChannel) -> CrashReport | None:
+    async def _run_once(
+        self, spec: ActorSpec, mailbox: ServerChannel, backlog: list[Any]
+    ) -> tuple[CrashReport | None, list[Any]]:
         cell = ActorCell(
             build_actor(spec),
             mailbox,
@@ -132,12 +141,13 @@ class ActorHost:
             start_timeout_s=self.timeouts.start_s,
             stop_timeout_s=self.timeouts.stop_s,
             call_timeout_s=self.timeouts.call_s,
+            backlog=backlog,
         )
         self._cells[spec.name] = cell
         if self._stopping:
             cell.stop()
         try:
-            return await cell.run()
+            return await cell.run(), cell.backlog
         finally:
             if self._cells.get(spec.name) is cell:
                 del self._cells[spec.name]

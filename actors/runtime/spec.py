@@ -28,6 +28,9 @@ class ActorSpec:
     # Environment of the child process that hosts this actor, set before anything is
     # imported there (e.g. OpenMP's wait policy); actors in this process ignore it.
     env: Mapping[str, str] = field(default_factory=dict)
+    # Actors sent a `PeerCrashed` whenever this one crashes (restarted or not), e.g. the
+    # scheduler for the runner: it ends the requests whose step was lost.
+    crash_watchers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or self.name.startswith("_") or "/" in self.name:

@@ -9,9 +9,12 @@ Placement:
 Each process runs an ``ActorHost`` that owns its actors' cells and applies each actor's crash
 policy locally: ``restart`` (fresh instance, exponential backoff, at most ``max_restarts``
 crashes within ``restart_window_s``) or ``shutdown``. Every crash is logged with name, error
-and traceback and reported to the system as ``ActorCrashed``; a crash that is not restarted
-shuts the whole system down: every actor's ``on_stop`` runs, sockets close, child processes
-exit (terminated, then killed, after timeouts) and the ipc directory is removed.
+and traceback and reported to the system as ``ActorCrashed``, and each actor named in the
+spec's ``crash_watchers`` is sent a ``PeerCrashed``. A child process that dies is a crash of
+every actor in its group: the process is started again when all of them have the restart
+policy (same budget). A crash that is not restarted shuts the whole system down: every
+actor's ``on_stop`` runs, sockets close, child processes exit (terminated, then killed, after
+timeouts) and the ipc directory is removed.
 
 Nothing waits without a deadline: start-up, pings, shutdown calls and process joins all have
 timeouts, so ``ActorSystem.stop`` returns in bounded time even with a wedged child.
@@ -20,8 +23,10 @@ timeouts, so ``ActorSystem.stop`` returns in bounded time even with a wedged chi
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
 import multiprocessing.process
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -51,7 +56,8 @@ from transport.address import (
 )
 from transport.channel import ChannelClosed, ServerChannel
 from transport.codec import Codec
-from transport.messages.control import Ack, ActorCrashed, Shutdown
+from transport.messages.control import Ack, ActorCrashed, PeerCrashed, Shutdown
+from transport.security import EngineKeys, activate, active_keys, new_engine_keys
 
 _PROCESS_POLL_S: Final = 0.05
 _TERMINATE_GRACE_S: Final = 3.0
@@ -66,6 +72,7 @@ class ActorHealth:
     up: bool
     pid: int = 0
     uptime_s: float = 0.0
+    busy_s: float = 0.0  # how long its current message has run (0: idle)
     error: str = ""
 
 
@@ -125,6 +132,8 @@ class ActorSystem:
         self._stopping = False
         self._stopped = anyio.Event()
         self._expected_exits: set[str] = set()
+        self._group_crashes: dict[str, list[float]] = {}  # child group -> its crash times
+        self._keys: EngineKeys | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -165,6 +174,11 @@ class ActorSystem:
         self._task_group = task_group
         if self._ipc_dir is not None:
             self._ipc_dir.create()
+        if self.transport == "tcp":
+            # Internal traffic on tcp is CURVE-encrypted; only this system's processes hold
+            # the keys (transport/security.py).
+            self._keys = new_engine_keys()
+            activate(self._keys)
         self.directory = self._plan_directory()
         self._refs = RefBook(self.directory, sender="system", call_timeout_s=self.timeouts.call_s)
         _log.info(
@@ -215,6 +229,8 @@ class ActorSystem:
                     self._supervisor_server.close()
                 if self._ipc_dir is not None:
                     self._ipc_dir.remove()
+                if self._keys is not None and active_keys() is self._keys:
+                    activate(None)
                 self._stopped.set()
                 _log.info(
                     "actor system stopped", system=self.system_id, crashed=self.crash is not None
@@ -241,8 +257,12 @@ class ActorSystem:
     def actor_names(self) -> list[str]:
         return [spec.name for spec in self.specs]
 
-    async def health(self, timeout_s: float = 1.0) -> dict[str, ActorHealth]:
-        """Ping every actor concurrently; an actor that does not answer in time is down."""
+    async def health(
+        self, timeout_s: float = 1.0, stuck_after_s: float = math.inf
+    ) -> dict[str, ActorHealth]:
+        """Ping every actor concurrently. Busy is not down (pings are answered while an actor
+        works); an actor is down when it does not answer in time, or when the message it is
+        handling has run longer than `stuck_after_s`."""
         results: dict[str, ActorHealth] = {}
 
         async def probe(name: str) -> None:
@@ -250,10 +270,16 @@ class ActorSystem:
                 pong = await self.ref(name).ping(timeout=timeout_s)
             except (TimeoutError, RemoteError, ChannelClosed, RuntimeError) as exc:
                 results[name] = ActorHealth(name=name, up=False, error=str(exc))
-            else:
-                results[name] = ActorHealth(
-                    name=name, up=True, pid=pong.pid, uptime_s=pong.uptime_s
-                )
+                return
+            stuck = pong.busy_s > stuck_after_s
+            results[name] = ActorHealth(
+                name=name,
+                up=not stuck,
+                pid=pong.pid,
+                uptime_s=pong.uptime_s,
+                busy_s=pong.busy_s,
+                error=f"stuck: one message has run for {pong.busy_s:.1f} s" if stuck else "",
+            )
 
         async with anyio.create_task_group() as task_group:
             for name in self.actor_names:
@@ -302,6 +328,7 @@ class ActorSystem:
             timeouts=self.timeouts,
             system_id=self.system_id,
             transport=self.transport,
+            keys=self._keys,
         )
         context = multiprocessing.get_context("spawn")
         process = context.Process(
@@ -349,19 +376,58 @@ class ActorSystem:
         return True
 
     async def _watch_children(self) -> None:
-        """Treat an unexpected child exit as a fatal crash of its whole group."""
+        """An unexpected child exit is a crash of every actor in its group: the group is
+        started again when all of them have the "restart" policy (within their budget),
+        else the system stops."""
         while not self._stopping:
-            for group, process in self.processes.items():
+            for group, process in list(self.processes.items()):
                 if group not in self._expected_exits and not process.is_alive():
-                    self._expected_exits.add(group)
+                    restart = self._may_restart_group(group)
                     notice = ActorCrashed(
                         name=f"group:{group}",
                         error=f"process {process.pid} exited with code {process.exitcode}",
                         pid=process.pid or 0,
+                        will_restart=restart,
                     )
-                    _log.error("child process died", group=group, exitcode=process.exitcode)
+                    _log.error(
+                        "child process died",
+                        group=group,
+                        exitcode=process.exitcode,
+                        restarting=restart,
+                    )
+                    process.join(timeout=0)
+                    if restart:
+                        self._spawn_child(group)
+                    else:
+                        self._expected_exits.add(group)
                     await self._on_crash_notice(notice)
             await anyio.sleep(_PROCESS_POLL_S * 4)
+
+    def _may_restart_group(self, group: str) -> bool:
+        specs = [spec for spec in self.specs if spec.group == group]
+        if not specs or any(spec.on_crash != "restart" for spec in specs):
+            return False
+        now = time.monotonic()
+        window = min(spec.restart_window_s for spec in specs)
+        crashes = [t for t in self._group_crashes.get(group, []) if now - t <= window]
+        crashes.append(now)
+        self._group_crashes[group] = crashes
+        return len(crashes) <= min(spec.max_restarts for spec in specs)
+
+    def _crashed_actors(self, notice: ActorCrashed) -> list[ActorSpec]:
+        if notice.name.startswith("group:"):
+            group = notice.name.removeprefix("group:")
+            return [spec for spec in self.specs if spec.group == group]
+        return [spec for spec in self.specs if spec.name == notice.name]
+
+    async def _tell_watchers(self, notice: ActorCrashed) -> None:
+        for spec in self._crashed_actors(notice):
+            for watcher in spec.crash_watchers:
+                message = PeerCrashed(
+                    actor=spec.name, error=notice.error, will_restart=notice.will_restart
+                )
+                with contextlib.suppress(ChannelClosed, KeyError, RuntimeError, TimeoutError):
+                    await self.ref(watcher).send(message, timeout=1.0)
 
     async def _serve_supervisor(self, server: ServerChannel) -> None:
         codec: Codec[ActorCrashed | Ack] = Codec(ActorCrashed | Ack)
@@ -378,6 +444,8 @@ class ActorSystem:
                 await self._on_crash_notice(notice)
 
     async def _on_crash_notice(self, notice: ActorCrashed) -> None:
+        if not self._stopping:
+            await self._tell_watchers(notice)
         if notice.will_restart:
             _log.warning("actor restarting", actor=notice.name, error=notice.error)
             return

@@ -12,6 +12,11 @@ Each step (continuous batching under a token budget):
   5. one `TokenBatch` to the tokenizer; finished requests released in one `ReleaseBatch`,
      non-final chunks cached in one `CacheUnfinished`.
 When the engine goes idle it asks the allocator for a conservation check (`IdleCheck`).
+
+When the runner crashes (`PeerCrashed` from the system), the step waiting on it is given
+up: every request ends with finish reason "error" (its client sees an error), its KV is
+released uncached, the prefix tree is dropped (`DropCache`: the KV it names is gone) and
+checked idle, and stepping resumes once the restarted runner answers a ping.
 A decode step with no admission and no finish costs three messages whatever the batch size:
 AllocDecode (call), ForwardBatchMsg (call), TokenBatch (send).
 """
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import anyio
 
-from actors.runtime import Actor, HandledError
+from actors.runtime import Actor, HandledError, RemoteError
 from actors.scheduler.batch import PrefillWork, StepOutbox
 from actors.scheduler.core import DuplicateRequest, SchedulerCore
 from actors.scheduler.policy import (
@@ -33,6 +38,7 @@ from actors.scheduler.policy import (
     unstick,
 )
 from actors.scheduler.request import Req
+from transport.channel import ChannelClosed
 from transport.messages.alloc import (
     AllocDecode,
     AllocDecodeReply,
@@ -40,6 +46,8 @@ from transport.messages.alloc import (
     AllocExtendReply,
     CacheUnfinished,
     CacheUnfinishedReply,
+    DropCache,
+    DropCacheReply,
     ExtendItem,
     IdleCheck,
     IdleCheckReply,
@@ -47,6 +55,7 @@ from transport.messages.alloc import (
     KvStatsRequest,
     ReleaseBatch,
 )
+from transport.messages.control import PeerCrashed
 from transport.messages.engine import (
     EndRequests,
     SchedulerStatsRequest,
@@ -56,8 +65,12 @@ from transport.messages.radix import PeekPrefix, PeekReply
 from transport.messages.runner import StepResultMsg
 
 
+class RunnerLost(Exception):
+    """The runner crashed while (or before) computing this step."""
+
+
 class SchedulerActor(Actor):
-    inbox = SubmitRequests | EndRequests | SchedulerStatsRequest
+    inbox = SubmitRequests | EndRequests | SchedulerStatsRequest | PeerCrashed
 
     def __init__(
         self,
@@ -89,6 +102,9 @@ class SchedulerActor(Actor):
         self.wake = anyio.Event()
         self.step_messages = 0  # messages this scheduler sent during the current step
         self.tried_admission = False  # this step asked for KV stats to admit from the queue
+        self.runner_lost: str | None = None  # why, from the runner's crash until it is back
+        self._forward_scope: anyio.CancelScope | None = None  # the runner call in flight
+        self.runner_failures = 0
 
     # ---- mailbox -------------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -108,6 +124,12 @@ class SchedulerActor(Actor):
             self.core.end(msg.rids, msg.reason)
         elif isinstance(msg, SchedulerStatsRequest):
             return self.core.stats()
+        elif isinstance(msg, PeerCrashed):
+            if msg.actor == "runner" and sender.sender == "system":
+                self.log.error("runner crashed", error=msg.error, restarting=msg.will_restart)
+                self.runner_lost = msg.error
+                if self._forward_scope is not None:
+                    self._forward_scope.cancel()  # its reply will never come
         self.wake.set()
         return None
 
@@ -119,6 +141,7 @@ class SchedulerActor(Actor):
             "steps": core.step_no,
             "retractions": core.counters.retractions,
             "generated_tokens": core.counters.generated_tokens,
+            "runner_failures": self.runner_failures,
         }
 
     async def _call(self, ref, msg, **kw):
@@ -128,13 +151,21 @@ class SchedulerActor(Actor):
     # ---- the step loop -------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
+            if self.runner_lost is not None:
+                await self._recover_from_runner_crash()
+                continue
             if not self.core.has_work:
                 self.wake = anyio.Event()
                 self.core.on_idle()
                 await self.alloc.call(IdleCheck(), expect=IdleCheckReply)
-                if not self.core.has_work:
+                if not self.core.has_work and self.runner_lost is None:
                     await self.wake.wait()
-            progressed = await self.step()
+                if self.runner_lost is not None:
+                    continue
+            try:
+                progressed = await self.step()
+            except RunnerLost:
+                continue
             if not progressed:
                 # Nothing could run (e.g. waiting for KV held by nobody we can retract).
                 self.wake = anyio.Event()
@@ -160,9 +191,7 @@ class SchedulerActor(Actor):
             await self._flush(out)
             return bool(out.reports) or action is not None
         batch = core.build_batch(decode, prefill)
-        result: StepResultMsg = await self._call(
-            self.runner, batch, expect=StepResultMsg, timeout=self.runner_timeout_s
-        )
+        result = await self._forward(batch)
         unfinished = core.apply_results(decode, prefill, result, out)
         if unfinished:
             reply = await self._call(
@@ -186,6 +215,48 @@ class SchedulerActor(Actor):
             core.counters.pure_decode_steps += 1
             core.counters.pure_decode_messages += self.step_messages
         return True
+
+    async def _forward(self, batch) -> StepResultMsg:
+        """The runner's step; `RunnerLost` when it crashed before answering."""
+        if self.runner_lost is None:
+            with anyio.CancelScope() as self._forward_scope:
+                try:
+                    return await self._call(
+                        self.runner, batch, expect=StepResultMsg, timeout=self.runner_timeout_s
+                    )
+                finally:
+                    self._forward_scope = None
+        raise RunnerLost(self.runner_lost)
+
+    async def _recover_from_runner_crash(self) -> None:
+        """End every request with an error, drop the prefix cache (its KV went with the
+        runner), check that the pool is whole, then wait for the runner to be back."""
+        reason = self.runner_lost
+        self.runner_failures += 1
+        out = StepOutbox()
+        ended = self.core.fail_all(out)
+        await self._flush(out)
+        reply = await self.alloc.call(DropCache(), expect=DropCacheReply)
+        if reply.problems:
+            # The accounting is wrong, not just the runner: stop rather than serve on it.
+            raise RuntimeError("KV not whole after the runner crash: " + "; ".join(reply.problems))
+        self.log.warning(
+            "requests ended after a runner crash",
+            ended=ended,
+            dropped_cache_pages=reply.dropped_pages,
+            error=reason,
+        )
+        with anyio.fail_after(self.runner_timeout_s):
+            while True:
+                try:
+                    await self.runner.ping(timeout=1.0)
+                    break
+                except (TimeoutError, ChannelClosed, RemoteError):
+                    await anyio.sleep(0.1)
+        if self.runner_lost == reason:
+            self.runner_lost = None  # else it crashed again meanwhile: recover once more
+        self.log.info("runner back; scheduling again")
+        self.wake.set()
 
     async def _schedule_decode(self, out: StepOutbox) -> list[Req]:
         core = self.core

@@ -109,7 +109,8 @@ class SchedulerCore:
         `out`, with its last tokens and finish reason in the token report."""
         del self.reqs[req.rid]
         if req.admitted:
-            cache = reason != FinishReason.ABORT
+            # Only a request that ended well leaves its KV to the prefix cache.
+            cache = reason not in (FinishReason.ABORT, FinishReason.ERROR)
             out.releases.append(
                 ReleaseItem(
                     rid=req.rid,
@@ -132,6 +133,18 @@ class SchedulerCore:
             self.prefilling.remove(req)
         elif req in self.running:
             self.running.remove(req)
+
+    def fail_all(self, out: StepOutbox) -> int:
+        """End every request with ERROR (the runner lost their KV): KV released uncached,
+        and nothing left for the runner (it is a fresh instance); how many ended."""
+        reqs = list(self.reqs.values())
+        for req in reqs:
+            self._remove(req)
+            self.finish(req, FinishReason.ERROR, out)
+        self.pending_ends.clear()
+        self.carry_deltas.clear()
+        self.unregister.clear()
+        return len(reqs)
 
     def cut_short(self, req: Req, out: StepOutbox) -> None:
         self._remove(req)

@@ -20,9 +20,12 @@ from actors.tokenizer.chat_template import ChatTemplateError, render_chat
 from actors.tokenizer.detokenizer import IncrementalDetokenizer
 from actors.tokenizer.validation import (
     ERR_INVALID_REQUEST,
+    ERR_OVERLOADED,
     BadRequest,
+    Overloaded,
     check_params,
     check_prompt_ids,
+    check_prompt_size,
     check_prompt_source,
     fit_to_context,
 )
@@ -47,6 +50,7 @@ from transport.messages.engine import (
 )
 
 OFFLOAD_ENCODE_CHARS = 8192  # longer prompts are tokenized in a worker thread
+TEMPLATE_TIMEOUT_S = 5.0  # a chat template that renders longer is refused
 
 
 @dataclass
@@ -64,6 +68,9 @@ class _Stream:
     queue_time_s: float = -1.0
 
 
+RUNNER_FAILED_TEXT = "the model runner failed while running this request; retry it"
+
+
 class TokenizerActor(Actor):
     inbox = GenerateRequest | AbortGeneration | TokenBatch | TokenizeRequest | DetokenizeRequest
 
@@ -73,9 +80,15 @@ class TokenizerActor(Actor):
         model: str | None = None,
         scheduler: str = "scheduler",
         chat_template: str | None = None,
+        max_in_flight: int = 0,
+        template_timeout_s: float = TEMPLATE_TIMEOUT_S,
     ):
+        self.template_timeout_s = template_timeout_s
         self.model_path = model
         self.context_len = context_len
+        # Requests accepted and not finished, at most (0: unbounded). Beyond it a request is
+        # refused at once (HTTP 429), instead of queueing for minutes.
+        self.max_in_flight = max_in_flight
         self.chat_template_override = chat_template
         self.scheduler_name = scheduler
         self.streams: dict[int, _Stream] = {}
@@ -88,6 +101,11 @@ class TokenizerActor(Actor):
         self.bundle = await anyio.to_thread.run_sync(load_tokenizer, self.model_path)
         self.vocab = self.bundle.vocab_size
         self.chat_template = self.chat_template_override or self.bundle.chat_template
+        # The longest token's text, for refusing oversized prompts before tokenizing them
+        # (a token's text is at most its piece; a piece's ▁ prefix stands for one space).
+        self.max_token_chars = max(
+            (len(piece) for piece in self.bundle.tokenizer.get_vocab()), default=1
+        )
         self.scheduler = self.ref(self.scheduler_name)
 
     # ---- requests ------------------------------------------------------------------------
@@ -100,6 +118,8 @@ class TokenizerActor(Actor):
                 return await self._on_generate(msg)
             except BadRequest as exc:
                 return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
+            except Overloaded as exc:
+                return ErrorReply(code=ERR_OVERLOADED, message=str(exc))
         if isinstance(msg, TokenizeRequest):
             try:
                 return await self._tokenize(msg)
@@ -124,16 +144,18 @@ class TokenizerActor(Actor):
             check_prompt_ids(msg.prompt_ids, self.vocab)
             return list(msg.prompt_ids)
         if msg.prompt is not None:
+            check_prompt_size(len(msg.prompt), self.context_len, self.max_token_chars)
             return await self._encode(msg.prompt, True)
-        text = self._render(
+        text = await self._render(
             msg.messages,
             msg.add_generation_prompt,
             msg.continue_final_message,
             msg.chat_template_kwargs,
         )
+        check_prompt_size(len(text), self.context_len, self.max_token_chars)
         return await self._encode(text, False)
 
-    def _render(
+    async def _render(
         self, messages, add_generation_prompt: bool, continue_final: bool, kwargs: dict
     ) -> str:
         """The chat template's text for `messages`. With `continue_final`, the last message
@@ -150,8 +172,9 @@ class TokenizerActor(Actor):
             raise BadRequest(
                 f"chat_template_kwargs: {sorted(reserved & set(kwargs))} are set by the engine"
             )
-        try:
-            text = render_chat(
+
+        def render() -> str:
+            return render_chat(
                 self.chat_template,
                 dicts,
                 add_generation_prompt=add_generation_prompt,
@@ -159,8 +182,22 @@ class TokenizerActor(Actor):
                 eos_token=self.bundle.eos_token or "",
                 **kwargs,
             )
+
+        # Off the event loop the gateway and the scheduler share, and bounded in time; any
+        # failure of a template (not only jinja's own errors) is the client's bad request.
+        try:
+            with anyio.fail_after(self.template_timeout_s):
+                text = await anyio.to_thread.run_sync(render, abandon_on_cancel=True)
         except ChatTemplateError as exc:
             raise BadRequest(f"messages: {exc}") from None
+        except TimeoutError:
+            raise BadRequest(
+                f"messages: the chat template did not render within {self.template_timeout_s:g} s"
+            ) from None
+        except Exception as exc:  # ZeroDivisionError, OverflowError, RecursionError, ...
+            raise BadRequest(
+                f"messages: the chat template failed: {type(exc).__name__}: {exc}"[:1000]
+            ) from None
         if continue_final:
             final = dicts[-1].get("content")
             final = (
@@ -180,7 +217,7 @@ class TokenizerActor(Actor):
         if msg.prompt is not None:
             ids = await self._encode(msg.prompt, msg.add_special_tokens)
         else:
-            text = self._render(
+            text = await self._render(
                 msg.messages,
                 msg.add_generation_prompt,
                 msg.continue_final_message,
@@ -199,6 +236,8 @@ class TokenizerActor(Actor):
     async def _on_generate(self, msg: GenerateRequest) -> Accepted:
         if msg.client_rid in self.by_client:
             raise BadRequest(f"request id {msg.client_rid!r} is already running")
+        if self.max_in_flight and len(self.streams) >= self.max_in_flight:
+            raise Overloaded(f"{len(self.streams)} requests are in the engine already; retry later")
         check_params(msg.params, self.vocab)
         ids = await self.encode_prompt(msg)
         p = fit_to_context(msg.params, len(ids), self.context_len)
@@ -259,6 +298,8 @@ class TokenizerActor(Actor):
                 st.stopped = True
                 if not finish:
                     stop_now.append(rid)
+            elif finish == FinishReason.ERROR:
+                reason, text = finish, RUNNER_FAILED_TEXT  # what the client is told
             elif finish:
                 tail = st.detok.flush()
                 text += tail.text

@@ -14,10 +14,25 @@ from transport.messages.engine import GenerateRequest
 from transport.messages.params import GenerationParams, InvalidParams, validate_params
 
 ERR_INVALID_REQUEST = "invalid_request"  # ErrorReply code for bad client input (HTTP 400)
+ERR_OVERLOADED = "overloaded"  # ErrorReply code when the queue is full (HTTP 429)
 
 
 class BadRequest(ValueError):
     """Invalid client input; the gateway maps it to HTTP 400."""
+
+
+class Overloaded(RuntimeError):
+    """Too many requests in the engine already; the gateway maps it to HTTP 429."""
+
+
+def check_prompt_size(chars: int, context_len: int, max_token_chars: int) -> None:
+    """Refuse, before tokenizing, a text that cannot fit: every token covers at most
+    `max_token_chars` characters, so a longer text has more tokens than the context."""
+    if chars > context_len * max_token_chars:
+        raise BadRequest(
+            f"prompt is {chars} characters, more than this model's context of {context_len} "
+            "tokens can hold"
+        )
 
 
 def check_params(p: GenerationParams, vocab_size: int) -> None:

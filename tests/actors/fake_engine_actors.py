@@ -43,9 +43,21 @@ class FakeRunner(Actor):
         self.hold_at_step: int | None = None  # pause the forward of this step number
         self.held = anyio.Event()  # set while that forward is paused
         self.release = anyio.Event()  # set by the test to let it finish
+        self.crash_at_step: int | None = None  # crash the actor during this step's forward
+        self.starts = 0
+
+    async def on_start(self) -> None:
+        self.starts += 1
+
+    async def _crash(self) -> None:
+        raise RuntimeError("injected runner crash")
 
     async def handle(self, msg: ForwardBatchMsg, sender):
         self.batches.append(msg)
+        if self.crash_at_step is not None and msg.step == self.crash_at_step:
+            self.crash_at_step = None
+            self.spawn(self._crash)  # a failing background task crashes the actor
+            await anyio.sleep_forever()  # this step never answers
         if self.hold_at_step is not None and msg.step == self.hold_at_step:
             self.held.set()
             await self.release.wait()

@@ -219,9 +219,9 @@ async def test_call_timeout_and_recovery() -> None:
         with pytest.raises(TimeoutError, match="probe"):
             await probe.call(ProbeSleep(seconds=0.5), timeout=0.1)
         assert anyio.current_time() - started < 0.4
-        # The mailbox is busy with the sleep; a Ping queued behind it also times out.
-        with pytest.raises(TimeoutError):
-            await probe.ping(timeout=0.1)
+        # The mailbox is busy with the sleep, yet a Ping is answered at once, saying so.
+        pong = await probe.ping(timeout=0.1)
+        assert pong.busy_s > 0.0 and pong.queued == 0
         # Once the sleep ends the actor serves again, in order.
         reply = await probe.call(ProbeEcho(text="later"), expect=ProbeEchoReply, timeout=5)
         assert reply.text == "later"
@@ -255,7 +255,13 @@ async def test_ping_stats_and_shutdown_are_answered_by_the_runtime() -> None:
         stats = await probe.call(StatsRequest(), expect=StatsReply)
         assert stats.values["log_length"] == 1  # the actor's own stats() merged in
         assert stats.values["handled"] == 1
-        assert await probe.call(Shutdown(reason="test")) == Ack()
+        # Only the actor system may stop an actor: anyone else's Shutdown is refused.
+        with pytest.raises(RemoteError, match="supervisor only"):
+            await probe.call(Shutdown(reason="intruder"))
+        assert (await probe.call(ProbeEcho(text="still"), expect=ProbeEchoReply)).text == "still"
+        system = RefBook(h.directory, sender="system", call_timeout_s=5.0)
+        assert await system.ref("probe").call(Shutdown(reason="test")) == Ack()
+        system.close()
         assert await h.finished_report("probe") is None
         assert stopped == ["probe"]
 

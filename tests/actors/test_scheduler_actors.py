@@ -18,6 +18,7 @@ import pytest
 from actors.runtime import ActorSpec, ActorSystem
 from tests.actors.fake_engine_actors import FakeRunner, SinkTokenizer
 from transport.messages.alloc import KvStats, KvStatsRequest
+from transport.messages.control import StatsReply, StatsRequest
 from transport.messages.engine import (
     EndRequests,
     GenerationParams,
@@ -64,7 +65,8 @@ class Harness:
         await self.engine.ref("scheduler").send(SubmitRequests(reqs=reqs))
 
     async def end(self, rids, reason="abort"):
-        await self.engine.ref("scheduler").send(EndRequests(rids=rids, reason=reason))
+        # A call: it returns once the scheduler has taken the end (then a test may go on).
+        await self.engine.ref("scheduler").call(EndRequests(rids=rids, reason=reason))
 
     async def wait_done(self, rids, timeout=60):
         with anyio.fail_after(timeout):
@@ -374,3 +376,55 @@ class FakeRunnerOutputs:
             out.append(next_token(toks))
             toks.append(out[-1])
         return out
+
+
+def test_runner_crash_ends_requests_with_an_error_and_the_restarted_runner_serves():
+    """A runner that crashes mid-step (policy restart): every request, running or queued,
+    ends with finish reason "error"; their KV and the whole prefix tree go back; the
+    restarted runner then serves new requests, and the pool balances."""
+    params = GenerationParams(max_tokens=12, ignore_eos=True)
+
+    async def go():
+        h = Harness(64, 4, rows=8, capacity=128, max_running_requests=4)
+        h.specs[-2] = ActorSpec(
+            "runner",
+            lambda: h.runner,
+            on_crash="restart",
+            restart_backoff_s=0.0,
+            crash_watchers=("scheduler",),
+        )
+        async with h:
+            h.runner.crash_at_step = 4
+            first = make_prompts(8, seed=11)  # 4 running, 4 queued when it crashes
+            await h.submit(first, params)
+            await h.wait_done(list(first))
+            assert {h.sink.finish[r] for r in first} == {"error"}
+            s, kv = await h.assert_idle_balanced()
+            assert kv.tree_pages == 0  # the cached prefixes named lost KV: dropped
+            assert h.runner.starts == 2
+            stats = await h.engine.ref("scheduler").call(StatsRequest(), expect=StatsReply)
+            assert stats.values["runner_failures"] == 1
+            later = {100 + r: p for r, p in make_prompts(6, seed=12).items()}
+            await h.submit(later, params)
+            await h.wait_done(list(later))
+            assert {h.sink.finish[r] for r in later} == {"length"}
+            assert all(len(h.sink.outputs[r]) == 12 for r in later)
+            await h.assert_idle_balanced()
+
+    run(go)
+
+
+def test_runner_crash_with_shutdown_policy_stops_the_system():
+    params = GenerationParams(max_tokens=12, ignore_eos=True)
+
+    async def go():
+        h = Harness(64, 4, rows=8, capacity=128, max_running_requests=4)
+        h.specs[-2] = ActorSpec("runner", lambda: h.runner, crash_watchers=("scheduler",))
+        async with h:
+            h.runner.crash_at_step = 2
+            await h.submit(make_prompts(3, seed=13), params)
+            with anyio.fail_after(10):
+                crash = await h.engine.wait_stopped()
+            assert crash is not None and crash.name == "runner"
+
+    run(go)

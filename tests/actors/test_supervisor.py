@@ -68,12 +68,14 @@ async def test_in_process_start_call_health_stop(tmp_path: Path) -> None:
     assert not any(h.up for h in health.values())
 
 
-async def test_health_reports_a_busy_actor_as_down() -> None:
+async def test_health_tells_busy_from_stuck() -> None:
     async with ActorSystem([ActorSpec("a", ProbeActor), ActorSpec("b", ProbeActor)]) as engine:
         await engine.ref("a").send(ProbeSleep(seconds=1.0))
-        health = await engine.health(timeout_s=0.2)
-        assert not health["a"].up and health["b"].up
-        assert "did not answer" in health["a"].error
+        await anyio.sleep(0.3)
+        busy = await engine.health(timeout_s=0.2)
+        assert busy["a"].up and busy["a"].busy_s >= 0.2 and busy["b"].up  # busy is not down
+        stuck = await engine.health(timeout_s=0.2, stuck_after_s=0.2)
+        assert not stuck["a"].up and "stuck" in stuck["a"].error and stuck["b"].up
 
 
 async def test_in_process_crash_with_shutdown_policy_stops_the_engine(tmp_path: Path) -> None:
@@ -283,3 +285,49 @@ async def test_multi_process_bad_factory_fails_start_cleanly() -> None:
             pass
     assert_processes_gone(engine)
     assert not ipc_dir_for(engine.system_id).exists()
+
+
+INTRUDER_SCRIPT = """
+import sys
+import anyio
+from actors.runtime.refs import RefBook
+from transport.messages.control import Shutdown
+
+async def main():
+    book = RefBook({"p": sys.argv[1]}, sender="system", call_timeout_s=2.0)
+    ref = book.ref("p")
+    try:
+        await ref.ping(timeout=2.0)
+        print("answered")
+    except TimeoutError:
+        print("no answer")
+    try:
+        await ref.call(Shutdown(reason="intruder"), timeout=2.0)
+        print("shutdown taken")
+    except TimeoutError:
+        print("no answer")
+    book.close()
+
+anyio.run(main)
+"""
+
+
+async def test_tcp_mailboxes_refuse_a_process_without_the_system_keys() -> None:
+    """On tcp every mailbox is a CURVE server admitting only this system's processes: a
+    local process that is not one of them (here claiming to be the system) gets no answer,
+    not even to Ping, and its Shutdown never arrives."""
+    root = Path(__file__).resolve().parents[2]
+    specs = [ActorSpec("p", ProbeActor, group="work"), ActorSpec("q", ProbeActor)]
+    engine = ActorSystem(specs, transport="tcp", local_groups={"main"})
+    with anyio.fail_after(60):
+        async with engine:
+            for name in ("p", "q"):
+                result = await anyio.run_process(
+                    [sys.executable, "-c", INTRUDER_SCRIPT, engine.directory[name]],
+                    cwd=root,
+                    env={**os.environ, "PYTHONPATH": str(root)},
+                )
+                assert result.stdout.decode().split() == ["no", "answer", "no", "answer"]
+            health = await engine.health()
+            assert health["p"].up and health["q"].up  # the system itself still gets through
+            assert not engine.stopped

@@ -138,7 +138,7 @@ def stop_server(handle: ServerHandle, *, check: bool = True) -> None:
         if check:
             pytest.fail(f"server ignored SIGTERM for {STOP_TIMEOUT_S} s:\n{handle.log_tail()}")
         return
-    leftovers = _group_alive(process.pid)
+    leftovers = not session_gone(process.pid, timeout_s=5.0)
     if leftovers:
         os.killpg(process.pid, signal.SIGKILL)
     if check:
@@ -148,12 +148,28 @@ def stop_server(handle: ServerHandle, *, check: bool = True) -> None:
         handle.log_path.unlink(missing_ok=True)  # kept (for reading) after a failure
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def session_gone(sid: int, timeout_s: float = 10.0) -> bool:
+    """True once no live process (zombies awaiting a reaper do not count) is left in the
+    server's session."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            state, session = fields[0], int(fields[3])
+            if session == sid and state != "Z":
+                alive.append(int(entry))
+        if not alive:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 # ---- reading the server's state -------------------------------------------------------------

@@ -105,3 +105,37 @@ def test_multi_turn_sends_the_whole_conversation(server, tmp_path):
     [run] = doc["runs"]
     assert run["completed"] == 4
     assert run["cached_tokens"] > 0  # the second turn re-sends the first: a prefix hit
+
+
+def test_soak_samples_every_engine_process_and_finds_no_leak(tmp_path):
+    """A 20-second soak with the runner in its own process: both processes are sampled,
+    requests complete (some closed early), the KV is whole afterwards, exit 0."""
+    from actors.bench import soak
+
+    out = tmp_path / "soak.json"
+    code = soak.main(
+        [
+            "--minutes",
+            "0.33",
+            "--warmup-minutes",
+            "0.08",
+            "--sample-s",
+            "1",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "8",
+            "--multi-process",
+            "--log",
+            str(tmp_path / "server.log"),
+            "--output-json",
+            str(out),
+        ]
+    )
+    result = json.loads(out.read_text())
+    assert code == 0, result
+    assert result["requests_ok"] > 0 and result["requests_failed"] == 0
+    assert result["kv_after"]["held_pages"] == 0 and result["kv_after"]["request_records"] == 0
+    kinds = {row["process"] for row in result["processes"]}
+    assert {"server", "child"} <= kinds, result["processes"]
+    assert all(row["samples"] >= 5 and row["rss_end_mb"] > 0 for row in result["processes"])

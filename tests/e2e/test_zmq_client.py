@@ -28,6 +28,7 @@ from transport.messages.client import (
     ERR_DUPLICATE_ID,
     ERR_INVALID_REQUEST,
     ERR_MALFORMED,
+    ERR_UNAUTHORIZED,
     ClientChunk,
     ClientError,
     ClientReplyFrame,
@@ -62,7 +63,7 @@ def test_stream_matches_http_and_complete(server):
     expected = http_text(server, prompt=PROMPT, max_tokens=8, temperature=0)
 
     async def run() -> None:
-        async with KvactorClient(server.zmq_address) as client:
+        async with KvactorClient(server.zmq_address, api_key=server.api_key) as client:
             chunks = [
                 c async for c in client.stream(prompt=PROMPT, params=GREEDY, request_id="greedy-1")
             ]
@@ -92,7 +93,7 @@ def test_abort_mid_stream_and_leave_early(server):
     aborted_before = scrape_metrics(server)["kvactor:kv_aborted_total"]
 
     async def run() -> None:
-        async with KvactorClient(server.zmq_address) as client:
+        async with KvactorClient(server.zmq_address, api_key=server.api_key) as client:
             seen = []
             async for chunk in client.stream(
                 prompt="Tell me a story.", params=long, request_id="to-abort"
@@ -121,7 +122,7 @@ def test_abort_mid_stream_and_leave_early(server):
 
 def test_refusals_arrive_as_errors(server):
     async def run() -> None:
-        async with KvactorClient(server.zmq_address) as client:
+        async with KvactorClient(server.zmq_address, api_key=server.api_key) as client:
             with pytest.raises(KvactorError) as info:
                 async for _ in client.stream(prompt="x", params=GenerationParams(temperature=5)):
                     pass
@@ -141,6 +142,7 @@ def test_malformed_frames_get_client_errors(server):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(server.zmq_address)
+        key = server.api_key
         try:
 
             async def reply() -> ClientChunk | ClientError:
@@ -171,7 +173,11 @@ def test_malformed_frames_get_client_errors(server):
                     )
                 ],
                 [msgspec.msgpack.encode([1, 2, 3])],
-                [msgspec.msgpack.encode({"type": "ClientSubmit", "request_id": "", "prompt": "x"})],
+                [
+                    msgspec.msgpack.encode(
+                        {"type": "ClientSubmit", "request_id": "", "prompt": "x", "api_key": key}
+                    )
+                ],
                 [b"two", b"frames"],
             ]
             for frames in hostile:
@@ -182,6 +188,7 @@ def test_malformed_frames_get_client_errors(server):
             # A valid frame on the same socket works, and a duplicate live id is refused.
             submit = ClientSubmit(
                 request_id="ok-1",
+                api_key=server.api_key,
                 prompt=PROMPT,
                 params=GenerationParams(max_tokens=30, temperature=0.0, ignore_eos=True),
             )
@@ -216,6 +223,7 @@ def test_disconnected_client_has_its_requests_aborted(server):
         sock.connect(server.zmq_address)
         submit = ClientSubmit(
             request_id="vanish",
+            api_key=server.api_key,
             prompt="Tell me everything.",
             params=GenerationParams(max_tokens=400, ignore_eos=True, temperature=0.0),
         )
@@ -227,3 +235,104 @@ def test_disconnected_client_has_its_requests_aborted(server):
     anyio.run(run)
     wait_idle(server, timeout_s=10)
     assert scrape_metrics(server)["kvactor:kv_aborted_total"] >= aborted_before + 1
+
+
+def test_the_api_key_is_required(server):
+    """With --api-key, a frame without it (or with a wrong one) is refused with
+    "unauthorized" and never reaches the engine."""
+    submitted = scrape_metrics(server)["kvactor:scheduler_prompt_tokens_total"]
+
+    async def run() -> None:
+        for key in (None, "wrong-key", server.api_key.upper()):
+            async with KvactorClient(server.zmq_address, api_key=key) as client:
+                with pytest.raises(KvactorError) as err:
+                    await client.complete(prompt=PROMPT, params=GREEDY)
+                assert err.value.code == ERR_UNAUTHORIZED
+
+    anyio.run(run)
+    assert scrape_metrics(server)["kvactor:scheduler_prompt_tokens_total"] == submitted
+
+
+def _raw_submit(server, rid: str, stream: bool, max_tokens: int = 1000) -> bytes:
+    return msgspec.msgpack.encode(
+        ClientSubmit(
+            request_id=rid,
+            api_key=server.api_key,
+            prompt="Write a very long story.",
+            stream=stream,
+            params=GenerationParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+        )
+    )
+
+
+def test_a_departed_clients_requests_end_and_its_routing_id_inherits_nothing(server):
+    """A client that leaves with a non-streaming and a streaming request in flight: both
+    are aborted at once (not run to their 1000 tokens), and a new socket that connects
+    with the same routing id receives none of their output."""
+    aborted_before = scrape_metrics(server)["kvactor:kv_aborted_total"]
+
+    async def run() -> list[bytes]:
+        ctx = zmq.asyncio.Context.instance()
+        first = ctx.socket(zmq.DEALER)
+        first.setsockopt(zmq.LINGER, 0)
+        first.setsockopt(zmq.ROUTING_ID, b"shared-identity")
+        first.connect(server.zmq_address)
+        await first.send(_raw_submit(server, "whole", stream=False))
+        await first.send(_raw_submit(server, "streamed", stream=True))
+        with anyio.fail_after(30):
+            await first.recv_multipart()  # the stream's first chunk: both are running
+        first.close(linger=0)
+        second = ctx.socket(zmq.DEALER)
+        second.setsockopt(zmq.LINGER, 0)
+        second.setsockopt(zmq.ROUTING_ID, b"shared-identity")
+        second.connect(server.zmq_address)
+        got: list[bytes] = []
+        with anyio.move_on_after(3):
+            while True:
+                got.append((await second.recv_multipart())[0])
+        second.close(linger=0)
+        return got
+
+    got = anyio.run(run)
+    assert got == []
+    wait_idle(server, timeout_s=5)  # 1000 tokens each would take far longer
+    assert scrape_metrics(server)["kvactor:kv_aborted_total"] >= aborted_before + 2
+
+
+FROZEN_CLIENT = """
+import sys, time, zmq
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+sock.connect(sys.argv[1])
+sock.send(bytes.fromhex(sys.argv[2]))
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_frozen_client_is_found_by_heartbeats_and_its_request_aborted(server):
+    """A client process that stops (SIGSTOP) with a non-streaming request in flight keeps
+    its TCP connection open; the endpoint's heartbeats find it gone and abort the request."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    aborted_before = scrape_metrics(server)["kvactor:kv_aborted_total"]
+    frame = _raw_submit(server, "frozen", stream=False).hex()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FROZEN_CLIENT, server.zmq_address, frame],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "sent"
+        time.sleep(1.0)  # admitted and running
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_idle(server, timeout_s=20)  # heartbeat timeout (5 s), then the abort
+        assert scrape_metrics(server)["kvactor:kv_aborted_total"] >= aborted_before + 1
+    finally:
+        proc.kill()
+        proc.wait()

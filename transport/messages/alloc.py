@@ -110,5 +110,15 @@ class IdleCheck(Message):
     """Scheduler -> allocator when the engine goes idle: check that nothing is held."""
 
 
+class DropCache(Message):
+    """Scheduler -> allocator after the runner lost its KV (it restarted): evict the whole
+    prefix tree. Refused while any request holds KV."""
+
+
+class DropCacheReply(Message):
+    dropped_pages: int
+    problems: list[str]  # the idle check right after: [] when every page is free again
+
+
 class IdleCheckReply(Message):
     problems: list[str]  # empty: every page is free or in the tree, no record, row or lock

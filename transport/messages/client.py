@@ -38,7 +38,11 @@ Engine -> client
                 follow for it); with `request_id = None` it answers a frame that could not
                 be decoded at all. `code` is one of the ERR_* values below.
 
-A client that disconnects (its socket closes) has its live requests aborted. A client
+With `--api-key`, every ClientSubmit and ClientAbort must carry it in `api_key`
+(ClientError "unauthorized" otherwise). A client that disconnects (its socket closes, or
+stops answering ZeroMQ heartbeats) has its live requests aborted at once, streaming or not;
+a new socket that takes over a departed client's routing id never receives that client's
+output. A client
 that does not read its frames until the engine's send queue to it is full has the
 request being written to aborted (`ClientError`, code "slow_client" when deliverable).
 """
@@ -61,6 +65,9 @@ ERR_INVALID_REQUEST: Final = "invalid_request"  # refused by validation (bad par
 ERR_DUPLICATE_ID: Final = "duplicate_request_id"  # the id is live on this client already
 ERR_SLOW_CLIENT: Final = "slow_client"  # the client stopped reading; request aborted
 ERR_ENGINE: Final = "engine_error"  # the engine failed to take the request
+ERR_UNAUTHORIZED: Final = "unauthorized"  # missing or wrong api_key
+ERR_OVERLOADED: Final = "overloaded"  # the engine's queue is full: retry later
+ERR_SHUTTING_DOWN: Final = "shutting_down"  # the engine is draining: no new requests
 
 FINISH_ABORT: Final = "abort"
 
@@ -72,10 +79,12 @@ class ClientSubmit(Message):
     prompt_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     stream: bool = True
+    api_key: str | None = None  # required when the server runs with --api-key
 
 
 class ClientAbort(Message):
     request_id: str
+    api_key: str | None = None
 
 
 class ClientUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

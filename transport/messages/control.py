@@ -17,9 +17,13 @@ class Ping(Message):
 
 
 class Pong(Message):
+    """Answered by the runtime at once, even while the actor handles a long message."""
+
     actor: str
     pid: int
     uptime_s: float
+    busy_s: float = 0.0  # how long the message being handled has taken so far (0: idle)
+    queued: int = 0  # messages waiting behind it
 
 
 class Shutdown(Message):
@@ -55,6 +59,15 @@ class ActorCrashed(Message):
     traceback: str = ""
     pid: int = 0
     will_restart: bool = False
+
+
+class PeerCrashed(Message):
+    """System -> an actor in the crashed one's `crash_watchers`: `actor` failed with
+    `error`; when `will_restart`, a fresh instance takes over its mailbox."""
+
+    actor: str
+    error: str
+    will_restart: bool
 
 
 class StatsRequest(Message):

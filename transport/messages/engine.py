@@ -93,6 +93,17 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens, the context, or a pool too small for it
     ABORT = "abort"  # the client left or asked to stop
+    ERROR = "error"  # the engine failed it (its runner crashed, or the server shut down)
+
+
+class StopAccepting(Message):
+    """To a frontend: refuse new requests from now on (the server is draining)."""
+
+
+class EndStreams(Message):
+    """To a frontend: end every open stream now with an error saying `reason`."""
+
+    reason: str
 
 
 class EndRequests(HotMessage):

@@ -20,6 +20,7 @@ import uvicorn
 from actors.frontends.base import FrontendActor
 from actors.frontends.http.app import MAX_BODY_BYTES, GatewayApp
 from actors.frontends.http.metrics import GatewayMetrics
+from actors.frontends.http.protocol import guarded_h11_protocol
 from actors.runtime import RemoteError
 from transport.channel import ChannelClosed
 from transport.messages.alloc import KvStats, KvStatsRequest
@@ -69,12 +70,22 @@ class GatewayActor(FrontendActor):
         generation_defaults: dict | None = None,
         allowed_origins: Sequence[str] = (),
         sse_keepalive_s: float = 5.0,
+        stuck_after_s: float = 120.0,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 30.0,
+        keepalive_timeout_s: float = 5.0,
+        max_connections: int = 1024,
     ) -> None:
         super().__init__(tokenizer)
         self.model_names = list(model_names)
         self.generation_defaults = dict(generation_defaults or {})
         self.allowed_origins = list(allowed_origins)
         self.sse_keepalive_s = sse_keepalive_s
+        self.stuck_after_s = stuck_after_s
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.max_connections = max_connections
         self.host = host
         self.port = port
         self.api_key = api_key or None
@@ -104,6 +115,8 @@ class GatewayActor(FrontendActor):
             stats=self.engine_stats,
             metrics=self.metrics,
             max_body_bytes=self.max_body_bytes,
+            body_timeout_s=self.body_timeout_s,
+            accepting=lambda: self.accepting,
         )
         self._sock = bind_listener(self.host, self.port)
         self.bound_port = self._sock.getsockname()[1]
@@ -117,6 +130,9 @@ class GatewayActor(FrontendActor):
             access_log=False,
             interface="asgi3",
             ws="none",
+            http=guarded_h11_protocol(self.header_timeout_s, self.max_connections),
+            timeout_keep_alive=max(1, round(self.keepalive_timeout_s)),
+            limit_concurrency=self.max_connections,
         )
         self._server = _EmbeddedServer(config)
         self.spawn(self._serve)
@@ -134,6 +150,9 @@ class GatewayActor(FrontendActor):
         raise RuntimeError("HTTP server stopped on its own")
 
     async def _close_server(self) -> None:
+        """Stop listening, end every open stream with an error event (its client learns why
+        and gets `[DONE]`), give the responses a moment to be written, then close every
+        connection (a request still running sees a disconnect and aborts)."""
         server, self._server = self._server, None
         if server is None:
             return
@@ -141,11 +160,16 @@ class GatewayActor(FrontendActor):
         server.force_exit = True
         for listener in getattr(server, "servers", []):
             listener.close()
+        self.accepting = False
+        self.router.fail_all("the server is shutting down")
         state = server.server_state
+        with anyio.move_on_after(_SHUTDOWN_GRACE_S):
+            while state.tasks:
+                await anyio.sleep(0.02)
         for connection in list(state.connections):
             transport = getattr(connection, "transport", None)
             if transport is not None:
-                transport.close()  # the request sees http.disconnect and aborts
+                transport.close()
         with anyio.move_on_after(_SHUTDOWN_GRACE_S):
             while state.tasks:
                 await anyio.sleep(0.02)
@@ -156,21 +180,26 @@ class GatewayActor(FrontendActor):
 
     async def on_stop(self) -> None:
         await self._close_server()
+        await super().on_stop()
         if self._sock is not None:
             self._sock.close()
 
     # ---- probes given to the app -------------------------------------------------------------
 
     async def probe_health(self) -> dict[str, str | None]:
-        """Ping every watched actor at once; None when it answered within the timeout."""
+        """Ping every watched actor at once: None when it answered within the timeout and is
+        making progress. An actor answers while it works (a long forward step is busy, not
+        down); one whose current message has run past `stuck_after_s` is down."""
         status: dict[str, str | None] = {}
 
         async def probe(name: str) -> None:
             try:
-                await self.ref(name).ping(timeout=HEALTH_TIMEOUT_S)
-                status[name] = None
+                pong = await self.ref(name).ping(timeout=HEALTH_TIMEOUT_S)
             except (TimeoutError, RemoteError, ChannelClosed, KeyError) as exc:
                 status[name] = f"{type(exc).__name__}: {exc}"
+                return
+            stuck = pong.busy_s > self.stuck_after_s
+            status[name] = f"stuck: one message has run for {pong.busy_s:.0f} s" if stuck else None
 
         async with anyio.create_task_group() as tg:
             for name in self.watched_actors:

@@ -46,6 +46,7 @@ from actors.frontends.http.generation import (
     Renderer,
     chat_jobs,
     check_model,
+    clip,
     completion_jobs,
     usage_of,
 )
@@ -69,6 +70,7 @@ from transport.messages.alloc import KvStats
 from transport.messages.engine import ChatMessage, OutputChunk, SchedulerStats
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this
 SSE_KEEPALIVE_S = 5.0  # a streamed response with no event this long gets a comment line
 KEEPALIVE_EVENT = b": keep-alive\n\n"
 try:
@@ -86,6 +88,7 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
+_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _json = msgspec.json.Encoder()
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 
@@ -151,6 +154,8 @@ class GatewayApp:
         generation_defaults: dict[str, Any] | None = None,
         allowed_origins: list[str] | None = None,
         keepalive_s: float = SSE_KEEPALIVE_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+        accepting: Callable[[], bool] = lambda: True,
     ) -> None:
         if not model_names:
             raise ValueError("the gateway needs at least one model name")
@@ -167,6 +172,8 @@ class GatewayApp:
         self.stats = stats
         self.metrics = metrics or GatewayMetrics(self.model_name, context_len)
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.accepting = accepting
         self.created = int(time.time())
         self.routes: dict[str, dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
             "/v1/completions": {"POST": self._completions},
@@ -213,7 +220,7 @@ class GatewayApp:
         if methods is None and path.startswith("/v1/models/"):
             methods = {"GET": self._model}
         if methods is None:
-            raise ApiError(404, f"no route {path}", type=NOT_FOUND, code="not_found")
+            raise ApiError(404, f"no route {clip(path)}", type=NOT_FOUND, code="not_found")
         method = scope["method"]
         if method == "OPTIONS":
             await self._options(scope, send, methods)
@@ -228,6 +235,14 @@ class GatewayApp:
             )
         if path.startswith("/v1/"):
             self._authorize(scope)
+        if method == "POST" and path in _GENERATION_PATHS and not self.accepting():
+            raise ApiError(
+                503,
+                "the server is shutting down and takes no new requests; retry elsewhere",
+                type=UNAVAILABLE,
+                code="shutting_down",
+                headers=[(b"connection", b"close"), (b"retry-after", b"1")],
+            )
         await handler(scope, receive, send)
 
     def _cors_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
@@ -264,6 +279,7 @@ class GatewayApp:
         if self._api_key is None:
             return
         given = _header(scope, b"authorization")
+        scheme, _, token = (given or b"").partition(b" ")
         if given is None:
             raise ApiError(
                 401,
@@ -271,7 +287,8 @@ class GatewayApp:
                 code="invalid_api_key",
                 headers=[(b"www-authenticate", b"Bearer")],
             )
-        if not hmac.compare_digest(given, b"Bearer " + self._api_key):
+        # RFC 7235: the scheme is case-insensitive ("bearer", "BEARER" work too).
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._api_key):
             raise ApiError(
                 401,
                 "Incorrect API key provided.",
@@ -282,7 +299,20 @@ class GatewayApp:
     # ---- bodies ------------------------------------------------------------------------------
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        """The whole body, refused with 413 as soon as it exceeds the cap."""
+        """The whole body, refused with 413 as soon as it exceeds the cap, and with 408 (then
+        a close) when it is not complete within `body_timeout_s` (a slow or short body)."""
+        try:
+            with anyio.fail_after(self.body_timeout_s):
+                return await self._read_body_unbounded(scope, receive)
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"the request body was not received within {self.body_timeout_s:g} s",
+                code="request_timeout",
+                headers=[(b"connection", b"close")],
+            ) from None
+
+    async def _read_body_unbounded(self, scope: Scope, receive: Receive) -> bytes:
         declared = _header(scope, b"content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -429,6 +459,10 @@ class GatewayApp:
         await send_response(send, 200, _json.encode({"version": KVACTOR_VERSION}))
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.accepting():
+            # A draining server is out of rotation: a load balancer stops sending to it.
+            await send_response(send, 503, _json.encode({"status": "draining"}))
+            return
         status = await self.health()
         down = {name: why for name, why in status.items() if why is not None}
         if down:

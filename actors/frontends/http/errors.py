@@ -12,8 +12,8 @@ import re
 
 import msgspec
 
-from actors.frontends.base import GenerationError
-from actors.tokenizer.actor import ERR_INVALID_REQUEST
+from actors.frontends.base import ERR_ENGINE_STOPPED, GenerationError
+from actors.tokenizer.validation import ERR_INVALID_REQUEST, ERR_OVERLOADED
 
 # OpenAI error "type" values.
 INVALID_REQUEST = "invalid_request_error"
@@ -83,7 +83,18 @@ def from_decode_error(exc: msgspec.DecodeError, body: bytes) -> ApiError:
 
 
 def from_generation_error(exc: GenerationError) -> ApiError:
-    """The engine refused a request: bad input is a 400, anything else a 500."""
+    """The engine refused a request: bad input is a 400, a full queue a 429 (retry after a
+    second), an engine that stopped a 503, anything else a 500."""
+    if exc.code == ERR_OVERLOADED:
+        return ApiError(
+            429,
+            exc.message,
+            type="rate_limit_error",
+            code="overloaded",
+            headers=[(b"retry-after", b"1")],
+        )
+    if exc.code == ERR_ENGINE_STOPPED:
+        return ApiError(503, exc.message, type=UNAVAILABLE, code="engine_stopped")
     if exc.code == ERR_INVALID_REQUEST:
         named = _FIELD_PREFIX.match(exc.message)
         param = named.group(1) if named else None
