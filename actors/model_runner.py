@@ -37,6 +37,7 @@ class ModelRunnerActor(Actor):
         threads: int = 0,
         own_process: bool = False,
         quantization: str = "none",
+        swa_num_pages: int = 0,
     ) -> None:
         from kernels.cpu import choose_dtype, choose_threads
 
@@ -48,6 +49,7 @@ class ModelRunnerActor(Actor):
         self.dtype, self.dtype_reason = choose_dtype(dtype)
         self.threads, self.threads_reason = choose_threads(threads, own_process)
         self.num_pages = num_pages
+        self.swa_num_pages = swa_num_pages  # sliding layers' own pool (0: they share the full one)
         self.page_size = page_size
         self.max_rows = max_rows
         self.row_capacity = row_capacity
@@ -97,6 +99,8 @@ class ModelRunnerActor(Actor):
             head_dim=config.head_dim,
             dtype=self.dtype,
             page_size=self.page_size,
+            sliding_layers=config.sliding_layers,
+            swa_num_pages=self.swa_num_pages,
         )
         table = ReqToTokenTable(self.max_rows + 1, self.row_capacity)
         self.config = config
@@ -134,7 +138,9 @@ class ModelRunnerActor(Actor):
             prefix_lens=list(msg.prefix_lens),
             input_ids=inputs,
             need_logits=list(msg.need_logits),
-            slot_deltas=SlotDeltas(d.rows, d.starts, d.lengths, d.slots),
+            slot_deltas=SlotDeltas(
+                d.rows, d.starts, d.lengths, d.slots, d.swa_full_pages, d.swa_pages
+            ),
         )
         prompt = _PromptLogprobs()
         if any(k >= 0 for k in msg.prompt_logprobs):

@@ -34,6 +34,9 @@ class SlotDeltas:
     starts: Sequence[int]
     lengths: Sequence[int]
     flat_slots: Sequence[int] | np.ndarray
+    # New full -> sliding page mappings (split KV pools only): map[swa_full_pages[i]] = ...
+    swa_full_pages: Sequence[int] = ()
+    swa_pages: Sequence[int] = ()
 
 
 @dataclass

@@ -7,6 +7,12 @@ mask discards. Layout is NHD ([slot, kv_head, head_dim]); `paged(layer)` views t
 memory as [num_pages, page_size, kv_head, head_dim], the layout FlashInfer's paged wrappers
 read.
 
+With a sliding-window pool (`swa_num_pages` > 0), full-attention layers keep their K/V at
+the row's slots and sliding layers in a smaller pool of their own, at the slot the
+full-to-sliding page map (`swa_map`, a replica of the allocator's, updated by `map_swa`)
+gives: map[slot // page_size] * page_size + slot % page_size. Callers always pass full
+slots; `write` and `sliding_slots` translate for sliding layers.
+
 `ReqToTokenTable` is the runner's copy of the allocator's rows: row r, position p -> slot.
 The allocator owns the truth; the runner only applies the deltas that ride with each batch.
 """
@@ -21,7 +27,8 @@ from torch import Tensor
 
 
 class KVCache:
-    """K and V tensors for every layer: [num_layers, num_slots, num_kv_heads, head_dim]."""
+    """K and V tensors per layer: [num_slots, num_kv_heads, head_dim] (sliding layers:
+    [swa_num_slots, ...] when the pools are split)."""
 
     def __init__(
         self,
@@ -32,6 +39,8 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         page_size: int = 1,
+        sliding_layers: Sequence[int] = (),
+        swa_num_pages: int = 0,
     ) -> None:
         if num_slots % page_size != 0:
             raise ValueError("num_slots must be a whole number of pages")
@@ -44,13 +53,33 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.page_size = page_size
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        split = bool(swa_num_pages) and bool(sliding_layers)
+        self.sliding = frozenset(sliding_layers) if split else frozenset()
+        full = [i for i in range(num_layers) if i not in self.sliding]
+        sliding = sorted(self.sliding)
+        # layer -> (its storage, index in it)
+        self._where = {layer: (0, k) for k, layer in enumerate(full)}
+        self._where.update({layer: (1, k) for k, layer in enumerate(sliding)})
+        self.swa_num_slots = (swa_num_pages + 1) * page_size if split else 0
+        row = (num_kv_heads, head_dim)
+        self._k = [torch.zeros((len(full), num_slots, *row), dtype=dtype, device=self.device)]
+        self._v = [torch.zeros((len(full), num_slots, *row), dtype=dtype, device=self.device)]
+        if split:
+            swa_shape = (len(sliding), self.swa_num_slots, *row)
+            self._k.append(torch.zeros(swa_shape, dtype=dtype, device=self.device))
+            self._v.append(torch.zeros(swa_shape, dtype=dtype, device=self.device))
+        # full page -> sliding page (0: none; page 0 is the padding page of both pools)
+        self.swa_map = torch.zeros(
+            self.num_pages + 1 if split else 1, dtype=torch.int64, device=self.device
+        )
 
     @property
     def num_pages(self) -> int:
         return self.num_slots // self.page_size
+
+    @property
+    def split(self) -> bool:
+        return bool(self.sliding)
 
     @property
     def first_valid_slot(self) -> int:
@@ -58,21 +87,42 @@ class KVCache:
         return self.page_size
 
     @property
-    def bytes_per_slot(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
+
+    def map_swa(self, full_pages: Sequence[int], swa_pages: Sequence[int]) -> None:
+        """Apply the allocator's new full -> sliding page mappings."""
+        if not len(full_pages):
+            return
+        if not self.split:
+            raise ValueError("sliding page mappings for a KV cache without a sliding pool")
+        idx = torch.as_tensor(list(full_pages), dtype=torch.int64, device=self.device)
+        self.swa_map[idx] = torch.as_tensor(list(swa_pages), dtype=torch.int64, device=self.device)
+
+    def sliding_slots(self, slots: Tensor) -> Tensor:
+        """The sliding pool's slot of each (full) slot; identity when the pools are one."""
+        if not self.split:
+            return slots
+        ps = self.page_size
+        return self.swa_map[slots // ps] * ps + slots % ps
 
     def layer_kv(self, layer: int) -> tuple[Tensor, Tensor]:
-        return self.k[layer], self.v[layer]
+        which, k = self._where[layer]
+        return self._k[which][k], self._v[which][k]
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store k/v [T, num_kv_heads, head_dim] at `slots` [T] (int64) of `layer`."""
-        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+        """Store k/v [T, num_kv_heads, head_dim] at the (full) `slots` [T] (int64) of `layer`."""
+        if layer in self.sliding:
+            slots = self.sliding_slots(slots)
+        k_all, v_all = self.layer_kv(layer)
+        k_all.index_copy_(0, slots, k.to(self.dtype))
+        v_all.index_copy_(0, slots, v.to(self.dtype))
 
     def paged(self, layer: int) -> tuple[Tensor, Tensor]:
-        """K and V of `layer` viewed as [num_pages, page_size, num_kv_heads, head_dim]."""
-        shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        return self.k[layer].view(shape), self.v[layer].view(shape)
+        """K and V of `layer` viewed as [pages, page_size, num_kv_heads, head_dim]."""
+        k_all, v_all = self.layer_kv(layer)
+        shape = (k_all.shape[0] // self.page_size, self.page_size, self.num_kv_heads, self.head_dim)
+        return k_all.view(shape), v_all.view(shape)
 
 
 class ReqToTokenTable:

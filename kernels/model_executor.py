@@ -93,6 +93,7 @@ class ModelExecutor:
         if batch.slot_deltas is not None:
             d = batch.slot_deltas
             self.req_to_token.apply_slot_deltas(d.rows, d.starts, d.lengths, d.flat_slots)
+            self.kv_cache.map_swa(d.swa_full_pages, d.swa_pages)
         meta = AttentionMetadata.build(
             batch, self.req_to_token, self.kv_cache, self.shape, validate=self.validate
         )

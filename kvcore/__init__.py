@@ -5,12 +5,19 @@ record (`ReqKvInfo`), the page pool, the req-to-token table, the radix
 (prefix) tree, and the invariant checker that audits them together.
 """
 
-from kvcore.invariants import InvariantViolation, KvSnapshot, check_idle, check_invariants
+from kvcore.invariants import (
+    InvariantViolation,
+    KvSnapshot,
+    check_idle,
+    check_invariants,
+    swa_idle_problems,
+)
 from kvcore.page_pool import PageDoubleFree, PageNotOwned, PagePool, PoolError
 from kvcore.radix_tree import MatchResult, RadixTree, TreeSnapshot
 from kvcore.req_kv_info import ReqKvInfo
 from kvcore.req_to_token import ReqToTokenTable, RowError
 from kvcore.slots import ceil_page, floor_page, pages_of_slots, slots_of_pages
+from kvcore.swa_pages import SwaPages
 
 __all__ = [
     "InvariantViolation",
@@ -24,6 +31,7 @@ __all__ = [
     "ReqKvInfo",
     "ReqToTokenTable",
     "RowError",
+    "SwaPages",
     "TreeSnapshot",
     "ceil_page",
     "check_idle",
@@ -31,4 +39,5 @@ __all__ = [
     "floor_page",
     "pages_of_slots",
     "slots_of_pages",
+    "swa_idle_problems",
 ]

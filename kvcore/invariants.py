@@ -51,6 +51,10 @@ class KvSnapshot:
     lock_nodes: Mapping[object, int] = field(default_factory=dict)  # request id -> locked node
     session_records: Mapping[object, ReqKvInfo] = field(default_factory=dict)
     session_lock_nodes: Mapping[object, int] = field(default_factory=dict)
+    # The sliding layers' pool (None: they share the full pool): full page -> sliding page.
+    swa_map: np.ndarray | None = None
+    swa_free_pages: np.ndarray | None = None
+    swa_total_pages: int = 0
 
 
 def row_pages(rec: ReqKvInfo, table: np.ndarray, page_size: int, start: int) -> np.ndarray:
@@ -101,21 +105,41 @@ def check_invariants(snap: KvSnapshot) -> None:
         raise InvariantViolation(f"rows {stray_rows[:8]} are held by no request or session")
     _check_tree_locks(snap)
     _check_conservation(snap, owners)
+    if snap.swa_map is not None:
+        _check_swa(snap, holders)
 
 
 def check_idle(
-    *, free: int, tree_pages: int, total: int, records: int, held_rows: int, locked_tokens: int
+    *,
+    free: int,
+    tree_pages: int,
+    total: int,
+    records: int,
+    held_rows: int,
+    locked_tokens: int,
+    session_pages: int = 0,
+    session_rows: int = 0,
+    session_locked_tokens: int = 0,
+    turns: int = 0,
 ) -> list[str]:
-    """The cheap check of an idle engine: what is wrong, or [] (counts only, no walk)."""
+    """The cheap check of an idle engine, where only session slots may hold KV: what is
+    wrong, or [] (counts only, no walk). Sessions may share locked tree prefixes, so their
+    `session_locked_tokens` (the sum of their protected lengths) bound the locked size."""
     problems = []
     if records:
         problems.append(f"{records} request records left")
-    if held_rows:
-        problems.append(f"{held_rows} rows still held")
-    if locked_tokens:
-        problems.append(f"{locked_tokens} tree tokens still locked")
-    if free + tree_pages != total:
-        problems.append(f"free {free} + tree {tree_pages} != total {total} pages")
+    if turns:
+        problems.append(f"{turns} session turns still open")
+    if held_rows != session_rows:
+        problems.append(f"{held_rows} rows held, {session_rows} by sessions")
+    if locked_tokens > session_locked_tokens or (session_locked_tokens and not locked_tokens):
+        problems.append(
+            f"{locked_tokens} tree tokens locked, sessions protect {session_locked_tokens}"
+        )
+    if free + tree_pages + session_pages != total:
+        problems.append(
+            f"free {free} + tree {tree_pages} + sessions {session_pages} != total {total} pages"
+        )
     return problems
 
 
@@ -271,3 +295,71 @@ def _check_conservation(snap: KvSnapshot, owners: dict[str, np.ndarray]) -> None
             f"conservation broken: {counts} sum to {total}, total is {snap.total_pages}; "
             f"leaked pages {missing[:16]}"
         )
+
+
+def swa_idle_problems(swa, full_free_pages: np.ndarray) -> list[str]:
+    """The sliding pool at idle: each sliding page free or mapped from a full page in use
+    (the tree's or a session's), never from a free full page."""
+    problems = []
+    stale = np.asarray(full_free_pages, dtype=np.int64)
+    stale = stale[swa.map[stale] > 0]
+    if stale.size:
+        problems.append(f"free full pages {stale[:8].tolist()} still have sliding pages")
+    mapped = int((swa.map > 0).sum())
+    if mapped + swa.num_free != swa.num_pages:
+        problems.append(f"sliding pages: {mapped} mapped + {swa.num_free} free != {swa.num_pages}")
+    return problems
+
+
+def _check_swa(snap: KvSnapshot, holders) -> None:
+    """The sliding pool: a bijection between mapped full pages and the sliding pages not
+    free; free full pages map to nothing; each holder's own pages have sliding KV except
+    [max(protected, ceil_page(swa_evict_floor)), swa_evicted_seqlen), which has none."""
+    ps = snap.page_size
+    smap = np.asarray(snap.swa_map, dtype=np.int64)
+    if smap[0] != 0:
+        raise InvariantViolation("the padding page 0 maps to a sliding page")
+    used = smap[smap > 0]
+    if used.size != np.unique(used).size:
+        counts = Counter(used.tolist())
+        twice = sorted(p for p, c in counts.items() if c > 1)
+        raise InvariantViolation(f"sliding pages {twice[:8]} are mapped from two full pages")
+    free = np.asarray(snap.swa_free_pages, dtype=np.int64)
+    both = np.intersect1d(free, used)
+    if both.size:
+        raise InvariantViolation(f"sliding pages {both[:8].tolist()} are mapped and free")
+    if used.size + free.size != snap.swa_total_pages or (used > snap.swa_total_pages).any():
+        raise InvariantViolation(
+            f"sliding pool: {used.size} mapped + {free.size} free != {snap.swa_total_pages}"
+        )
+    full_free = np.asarray(snap.free_pages, dtype=np.int64)
+    stale = full_free[smap[full_free] > 0]
+    if stale.size:
+        raise InvariantViolation(f"free full pages {stale[:8].tolist()} have sliding pages")
+    for who, rec, _lock in holders:
+        if rec.req_pool_idx is None:
+            continue
+        evicted = rec.swa_evicted_seqlen
+        if evicted % ps:
+            raise InvariantViolation(f"{who}: swa_evicted_seqlen {evicted} is not page-aligned")
+        live_from = max(rec.cache_protected_len, evicted)
+        pages = row_pages(rec, snap.table, ps, live_from)
+        if pages.size and (smap[pages] == 0).any():
+            k = int(np.flatnonzero(smap[pages] == 0)[0])
+            raise InvariantViolation(
+                f"{who}: position {live_from + k * ps} lost its sliding KV "
+                f"(swa_evicted_seqlen {evicted})"
+            )
+        # [protected, ceil_page(floor)) is shielded; the window freed [that, evicted).
+        shield = max(rec.cache_protected_len, -(-rec.swa_evict_floor // ps) * ps)
+        row = snap.table[rec.req_pool_idx]
+        kept = np.asarray(row[rec.cache_protected_len : min(shield, evicted) : ps], np.int64)
+        if (smap[kept // ps] == 0).any():
+            raise InvariantViolation(
+                f"{who}: sliding KV below swa_evict_floor {rec.swa_evict_floor} was freed"
+            )
+        dead = np.asarray(row[shield:evicted:ps], dtype=np.int64)
+        if (smap[dead // ps] != 0).any():
+            raise InvariantViolation(
+                f"{who}: sliding KV below swa_evicted_seqlen {evicted} is still mapped"
+            )

@@ -34,6 +34,8 @@ from transport.messages.client import (
     ClientChunk,
     ClientError,
     ClientReplyFrame,
+    ClientSession,
+    ClientSessionInfo,
     ClientSubmit,
     ClientUsage,
 )
@@ -64,7 +66,7 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-Frame = ClientChunk | ClientError
+Frame = ClientChunk | ClientError | ClientSessionInfo
 
 
 class KvactorClient:
@@ -90,7 +92,7 @@ class KvactorClient:
         self._streams: dict[str, MemoryObjectSendStream[Frame]] = {}
         self._codec: Codec = Codec(ClientReplyFrame, max_message_bytes=64 * 1024 * 1024)
         self._request_codec: Codec = Codec(
-            ClientSubmit | ClientAbort, max_message_bytes=MAX_CLIENT_FRAME_BYTES
+            ClientSubmit | ClientAbort | ClientSession, max_message_bytes=MAX_CLIENT_FRAME_BYTES
         )
         self._prefix = secrets.token_hex(4)
         self._ids = itertools.count(1)
@@ -169,6 +171,7 @@ class KvactorClient:
         messages: list[ChatMessage] | None = None,
         params: GenerationParams | None = None,
         request_id: str | None = None,
+        session_id: str = "",
     ) -> AsyncGenerator[ClientChunk, None]:
         """An async generator of the request's chunks, ending with the one that has a
         `finish_reason`. Raises `KvactorError` when the engine refuses the request.
@@ -185,6 +188,7 @@ class KvactorClient:
             messages=messages,
             stream=True,
             api_key=self.api_key,
+            session_id=session_id,
         )
         return self._run(submit)
 
@@ -196,6 +200,7 @@ class KvactorClient:
         messages: list[ChatMessage] | None = None,
         params: GenerationParams | None = None,
         request_id: str | None = None,
+        session_id: str = "",
     ) -> Completion:
         """The whole generation in one frame (the engine accumulates it)."""
         submit = ClientSubmit(
@@ -206,6 +211,7 @@ class KvactorClient:
             messages=messages,
             stream=False,
             api_key=self.api_key,
+            session_id=session_id,
         )
         async with contextlib.aclosing(self._run(submit)) as frames:
             async for frame in frames:
@@ -219,6 +225,44 @@ class KvactorClient:
                         logprobs=list(frame.logprobs),
                     )
         raise KvactorError("connection_closed", "no final frame", submit.request_id)
+
+    # ---- streaming sessions --------------------------------------------------------------
+
+    async def open_session(self, ttl_s: float = 0.0, max_tokens: int = 0) -> ClientSessionInfo:
+        """A new streaming session: pass its `session_id` to `stream`/`complete` with the
+        whole conversation each turn. `ttl_s`: idle timeout (0: the server's default);
+        `max_tokens`: the conversation's capacity (0: the context length)."""
+        return await self._session("open", ttl_s=ttl_s, max_tokens=max_tokens)
+
+    async def get_session(self, session_id: str) -> ClientSessionInfo:
+        return await self._session("get", session_id=session_id)
+
+    async def close_session(self, session_id: str) -> ClientSessionInfo:
+        """Close it; its KV is released (when a turn runs, at the end of that turn)."""
+        return await self._session("close", session_id=session_id)
+
+    async def _session(self, op: str, **fields) -> ClientSessionInfo:
+        if self._socket is None:
+            raise RuntimeError("KvactorClient is not open; use `async with`")
+        rid = self.new_request_id()
+        send, recv = anyio.create_memory_object_stream[Frame](math.inf)
+        self._streams[rid] = send
+        try:
+            await self._send(ClientSession(request_id=rid, op=op, api_key=self.api_key, **fields))
+            async with recv:
+                with anyio.fail_after(self.frame_timeout_s):
+                    try:
+                        frame = await recv.receive()
+                    except anyio.EndOfStream:
+                        raise KvactorError("connection_closed", "no reply", rid) from None
+        finally:
+            self._streams.pop(rid, None)
+            send.close()
+        if isinstance(frame, ClientError):
+            raise KvactorError(frame.code, frame.message, rid)
+        if not isinstance(frame, ClientSessionInfo):
+            raise KvactorError("protocol", f"unexpected {type(frame).__name__}", rid)
+        return frame
 
     async def abort(self, request_id: str) -> None:
         """Ask the engine to end `request_id`; its stream then ends with finish "abort"."""
@@ -260,7 +304,7 @@ class KvactorClient:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                     await self._send(ClientAbort(request_id=rid, api_key=self.api_key))
 
-    async def _send(self, frame: ClientSubmit | ClientAbort) -> None:
+    async def _send(self, frame: ClientSubmit | ClientAbort | ClientSession) -> None:
         if self._socket is None:
             raise RuntimeError("KvactorClient is not open; use `async with`")
         await self._socket.send(self._request_codec.encode(frame))

@@ -1,19 +1,20 @@
 """The allocator actor: sole owner of every request's `ReqKvInfo`.
 
 Wraps `KvLedger` in a mailbox, so every KV ownership transition (admission,
-chunk, decode slot, cache-unfinished, finish, abort, retract) happens here, one
-message at a time. Each message carries a whole step's requests. In debug mode
-the invariant checker runs after every mutating message.
+chunk, decode slot, cache-unfinished, finish, abort, retract, session save,
+restore and close) happens here, one message at a time. Each message carries a
+whole step's requests. In debug mode the invariant checker runs after every
+mutating message.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from actors.allocator.ledger import KvLedger, SlotDelta
+from actors.allocator.ledger import KvLedger, SlotDelta, SwaMapDelta
 from actors.allocator.remote_port import RemotePrefixPort
 from actors.runtime import Actor
-from kvcore import InvariantViolation, PagePool, ReqToTokenTable
+from kvcore import InvariantViolation, PagePool, ReqToTokenTable, SwaPages
 from transport.messages.alloc import (
     AllocDecode,
     AllocDecodeReply,
@@ -21,6 +22,8 @@ from transport.messages.alloc import (
     AllocExtendReply,
     CacheUnfinished,
     CacheUnfinishedReply,
+    CloseSlots,
+    CloseSlotsReply,
     DropCache,
     DropCacheReply,
     ExtendGrantItem,
@@ -28,20 +31,27 @@ from transport.messages.alloc import (
     IdleCheckReply,
     KvStats,
     KvStatsRequest,
+    OpenSlot,
     ReleaseBatch,
     ReleaseKind,
     SlotDeltas,
+    SlotStats,
+    SlotStatsRequest,
 )
 
 
-def pack_deltas(deltas: list[SlotDelta]) -> SlotDeltas:
+def pack_deltas(deltas: list[SlotDelta | SwaMapDelta]) -> SlotDeltas:
     if not deltas:
         return SlotDeltas()
+    rows = [d for d in deltas if isinstance(d, SlotDelta)]
+    maps = [d for d in deltas if isinstance(d, SwaMapDelta)]
     return SlotDeltas(
-        rows=[d.row for d in deltas],
-        starts=[d.start for d in deltas],
-        lengths=[len(d.slots) for d in deltas],
-        slots=np.concatenate([d.slots for d in deltas]).tolist(),
+        rows=[d.row for d in rows],
+        starts=[d.start for d in rows],
+        lengths=[len(d.slots) for d in rows],
+        slots=np.concatenate([d.slots for d in rows]).tolist() if rows else [],
+        swa_full_pages=np.concatenate([d.full_pages for d in maps]).tolist() if maps else [],
+        swa_pages=np.concatenate([d.swa_pages for d in maps]).tolist() if maps else [],
     )
 
 
@@ -54,6 +64,9 @@ class AllocatorActor(Actor):
         | IdleCheck
         | KvStatsRequest
         | DropCache
+        | OpenSlot
+        | CloseSlots
+        | SlotStatsRequest
     )
 
     def __init__(
@@ -64,9 +77,22 @@ class AllocatorActor(Actor):
         row_capacity: int,
         radix: str | None = "radix",
         debug_checks: bool = False,
+        swa_num_pages: int = 0,
+        sliding_window: int = 0,
+        swa_free_step: int = 64,
+        swa_free_prompt: bool = False,
     ) -> None:
         self.pool = PagePool(num_pages, page_size)
         self.table = ReqToTokenTable(max_rows, row_capacity)
+        # Sliding layers' own pool, freed as the window passes (0 pages: one shared pool).
+        self.swa = (
+            SwaPages(num_pages, swa_num_pages, page_size)
+            if swa_num_pages and sliding_window
+            else None
+        )
+        self.sliding_window = sliding_window if self.swa is not None else 0
+        self.swa_free_step = max(swa_free_step, page_size)
+        self.swa_free_prompt = swa_free_prompt
         self.radix_name = radix
         self.debug_checks = debug_checks
         self.ledger: KvLedger | None = None
@@ -80,7 +106,15 @@ class AllocatorActor(Actor):
             if self.radix_name
             else None
         )
-        self.ledger = KvLedger(self.pool, self.table, self.port)
+        self.ledger = KvLedger(
+            self.pool,
+            self.table,
+            self.port,
+            swa=self.swa,
+            window=self.sliding_window,
+            swa_free_step=self.swa_free_step,
+            swa_free_prompt=self.swa_free_prompt,
+        )
 
     async def handle(self, msg, sender):
         # Every batched message is all or nothing: its items are checked before any is
@@ -105,6 +139,13 @@ class AllocatorActor(Actor):
             return await self._idle_check()
         elif isinstance(msg, KvStatsRequest):
             return await self._stats(msg.check_invariants)
+        elif isinstance(msg, OpenSlot):
+            ledger.open_slot(msg.session_id)
+            reply = None
+        elif isinstance(msg, CloseSlots):
+            reply = CloseSlotsReply(pages=await ledger.close_slots(list(msg.session_ids)))
+        elif isinstance(msg, SlotStatsRequest):
+            return SlotStats(held_tokens=ledger.slot_tokens(msg.session_id))
         elif isinstance(msg, DropCache):
             dropped = await ledger.drop_cache()
             self.log.warning("prefix cache dropped", pages=dropped)
@@ -125,7 +166,12 @@ class AllocatorActor(Actor):
         for item in msg.items:
             toks = np.asarray(item.tokens, dtype=np.int64)
             g = await ledger.alloc_extend(
-                item.rid, toks, item.budget, deltas, match_prefix=item.match_prefix
+                item.rid,
+                toks,
+                item.budget,
+                deltas,
+                match_prefix=item.match_prefix,
+                session=item.session_id,
             )
             if g is None:
                 grants.append(ExtendGrantItem(rid=item.rid, row=-1, cached_len=0, start=0, end=0))
@@ -184,7 +230,7 @@ class AllocatorActor(Actor):
             free_pages=self.pool.num_free,
             tree_pages=tree_pages,
             held_pages=ledger.held_pages(),
-            session_pages=0,
+            session_pages=ledger.session_pages(),
             evictable_pages=evictable,
             records=len(ledger.records),
             held_rows=len(self.table.held_rows()),
@@ -196,6 +242,12 @@ class AllocatorActor(Actor):
             retracted=c.retracted,
             idle_checks=self.idle_checks,
             idle_check_failures=self.idle_check_failures,
+            swa_total_pages=self.swa.num_pages if self.swa is not None else 0,
+            swa_free_pages=self.swa.num_free if self.swa is not None else 0,
+            swa_freed_pages=c.swa_freed_pages,
+            sessions_open=len(ledger.slots),
+            session_slots=sum(1 for s in ledger.slots.values() if s.rec is not None),
+            session_hit_tokens=c.session_hit_tokens,
         )
 
     def stats(self) -> dict[str, int | float]:

@@ -11,6 +11,15 @@ Row ranges a request owns, for a held record `r` with row R:
 Allocation commits: the call that reserves slots for an extend or a decode
 step also advances kv_committed_len (no speculative decoding yet).
 
+Streaming sessions: a `SessionSlot` holds a finished turn's whole record (row, tree lock
+and pages, the partial last page included), pinned: nothing evicts it. Ownership moves, it
+is never shared: the admission of the session's next turn moves the record into the
+request (trimming the tail past the longest common prefix with the new prompt, page-aligned)
+and the turn's finish moves it back. An admission is all or nothing, so a refused or retried
+turn finds the slot as it was. While a turn runs the slot holds nothing, so the checker
+counts those pages once, as the request's. An abort or retraction of the turn frees its KV
+as for any request: the slot stays empty and the next turn prefills from the prefix tree.
+
 Slot deltas: every change to a row is returned as (row, start, slots) so the
 model runner can mirror the table on its device.
 """
@@ -27,12 +36,14 @@ from kvcore import (
     PagePool,
     ReqKvInfo,
     ReqToTokenTable,
+    SwaPages,
     ceil_page,
     check_idle,
     check_invariants,
     floor_page,
     pages_of_slots,
     slots_of_pages,
+    swa_idle_problems,
 )
 
 
@@ -48,12 +59,30 @@ class SlotDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class SwaMapDelta:
+    """New sliding pages: the runner's map gets map[full_pages[i]] = swa_pages[i]."""
+
+    full_pages: np.ndarray
+    swa_pages: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
 class ExtendGrant:
     rid: int
     row: int
     cached_len: int  # tokens matched from the prefix tree at admission (0 on later chunks)
     start: int  # first position computed by this extend (== previous committed length)
     end: int  # new committed length
+
+
+@dataclass(slots=True)
+class SessionSlot:
+    """A session's KV between turns. `rec` (None: nothing held) has KV for `tokens`."""
+
+    rec: ReqKvInfo | None = None
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    turn: int | None = None  # the request running this session's current turn
+    close_pending: bool = False  # closed during a turn: released when the turn ends
 
 
 @dataclass(slots=True)
@@ -64,6 +93,9 @@ class LedgerCounters:
     finished: int = 0
     aborted: int = 0
     retracted: int = 0
+    session_hit_tokens: int = 0  # tokens restored from session slots at admission
+    session_saves: int = 0
+    swa_freed_pages: int = 0  # sliding pages freed because the window had passed them
 
 
 @dataclass
@@ -73,6 +105,19 @@ class KvLedger:
     tree: PrefixPort | None  # None: prefix caching disabled
     records: dict[int, ReqKvInfo] = field(default_factory=dict)
     lock_nodes: dict[int, int] = field(default_factory=dict)  # rid -> locked tree node
+    slots: dict[str, SessionSlot] = field(default_factory=dict)  # session id -> its slot
+    session_lock_nodes: dict[str, int] = field(default_factory=dict)  # sid -> locked node
+    turn_session: dict[int, str] = field(default_factory=dict)  # rid -> session of its turn
+    # Sliding-window layers' pool (None: they share the full pool's slots, nothing is freed
+    # early) and their window in tokens; pages are freed in steps of `swa_free_step` tokens.
+    swa: SwaPages | None = None
+    window: int = 0
+    swa_free_step: int = 64
+    # False: a request's prompt keeps its sliding KV (swa_evict_floor = prompt length), so
+    # every prefix of it stays reusable from the tree; only output the window has passed is
+    # freed. True: the prompt's too (the most memory; a prefix hit is then cut to where its
+    # last window is intact), and prefill chunks stay the request's until it ends.
+    swa_free_prompt: bool = False
     counters: LedgerCounters = field(default_factory=LedgerCounters)
 
     @property
@@ -95,6 +140,7 @@ class KvLedger:
         budget: int,
         deltas: list[SlotDelta],
         match_prefix: bool = True,
+        session: str = "",
     ) -> ExtendGrant | None:
         """Reserve and commit KV for the next prefill chunk of `rid` (at most `budget` tokens).
 
@@ -103,17 +149,39 @@ class KvLedger:
         least one token to compute), row, slots. Returns None, changing nothing, when pages
         or rows run out even after eviction. `match_prefix=False` skips the prefix tree at
         admission (every token is computed; prompt logprobs need their logits).
+
+        With `session`, an admission restores that session's slot when its KV shares a
+        prefix with `tokens` (module docstring); a slot it cannot reuse (the prompt diverges
+        inside the slot's tree-protected prefix, or every token must be computed) is
+        released to the prefix tree first.
         """
         self.check_extend(rid, len(tokens), budget)
         total = len(tokens)
         rec = self.records.get(rid)
         admitting = rec is None or not rec.is_held
+        if admitting and session:
+            slot = self.slots.get(session)
+            if slot is not None and slot.rec is not None:
+                usable = 0
+                if match_prefix and total > 1:
+                    usable = common_prefix_len(slot.tokens, tokens[: total - 1])
+                # The first computed position reads its window: it must still be there.
+                swa_ok = slot.rec.swa_evicted_seqlen <= max(usable - self.window + 1, 0)
+                if usable and usable >= slot.rec.cache_protected_len and swa_ok:
+                    return await self._restore(rid, session, slot, usable, tokens, budget, deltas)
+                await self._release_slot_kv(session, slot, cache=True)
         cached, node, prefix_slots = 0, None, None
         if admitting:
             if self.table.num_free_rows == 0:
                 return None
             if self.tree is not None and total > 1 and match_prefix:
                 match = await self.tree.match_and_lock(tokens[: total - 1])
+                usable = self._swa_usable(match.slots, match.length)
+                if usable < match.length:
+                    # The window before the matched end lost its sliding KV: match less, and
+                    # recompute the rest.
+                    await self.tree.unlock(match.node_id)
+                    match = await self.tree.match_and_lock(tokens[:usable])
                 if match.length:
                     cached, node, prefix_slots = match.length, match.node_id, match.slots
             start = cached
@@ -121,7 +189,7 @@ class KvLedger:
             start = rec.kv_committed_len
         end = min(total, start + budget)
         row_tail = None if admitting else self._last_slot(rec)
-        new_slots = await self._reserve_slots(start, end, row_tail)
+        new_slots = await self._reserve_slots(start, end, row_tail, deltas)
         if new_slots is None:
             if node is not None:
                 await self.tree.unlock(node)
@@ -134,18 +202,75 @@ class KvLedger:
             assert row is not None  # checked above; only this mailbox allocates rows
             rec.req_pool_idx = row
             rec.cache_protected_len = cached
+            if self.swa is not None and not self.swa_free_prompt:
+                rec.swa_evict_floor = total
             if cached:
                 self.table.write(row, 0, prefix_slots)
                 deltas.append(SlotDelta(row, 0, prefix_slots))
                 self.lock_nodes[rid] = node
                 self.counters.cache_hit_tokens += cached
             self.counters.admitted += 1
+            if session:
+                self._start_turn(rid, session)
         row = rec.req_pool_idx
         self.table.write(row, start, new_slots)
         deltas.append(SlotDelta(row, start, new_slots))
         rec.kv_allocated_len = end
         rec.kv_committed_len = end
+        self._free_window(rec, first_query=start)
         return ExtendGrant(rid, row, cached, start, end)
+
+    async def _restore(
+        self,
+        rid: int,
+        session: str,
+        slot: SessionSlot,
+        usable: int,
+        tokens: np.ndarray,
+        budget: int,
+        deltas: list[SlotDelta],
+    ) -> ExtendGrant | None:
+        """Admit `rid` on its session's KV: keep [0, usable), free the slot's pages past
+        ceil_page(usable), compute from `usable`. None, changing nothing, if it cannot fit."""
+        ps = self.page_size
+        rec = slot.rec
+        row = rec.req_pool_idx
+        keep = ceil_page(usable, ps)
+        tail = self.table.read(row, keep, max(rec.kv_allocated_len, keep))
+        tail_pages = pages_of_slots(tail, ps) if tail.size else tail
+        end = min(len(tokens), usable + budget)
+        need = self._pages_for(usable, end, open_page=usable % ps != 0)
+        if await self._shortfall(need, returning=len(tail_pages)):
+            return None
+        if len(tail_pages):
+            self._free_pages(tail_pages)
+        last = int(self.table.table[row, usable - 1])
+        new_slots = await self._reserve_slots(usable, end, last, deltas)
+        assert new_slots is not None  # budgeted above, and only this mailbox allocates
+        # The record moves from the slot to the request (the slot keeps no copy); a released
+        # record the request kept after a retraction is replaced.
+        self.records[rid] = rec
+        if self.swa is not None and not self.swa_free_prompt:
+            rec.swa_evict_floor = len(tokens)
+        slot.rec = None
+        slot.tokens = np.zeros(0, dtype=np.int64)
+        node = self.session_lock_nodes.pop(session, None)
+        if node is not None:
+            self.lock_nodes[rid] = node
+        self._start_turn(rid, session)
+        self.table.write(row, usable, new_slots)
+        deltas.append(SlotDelta(row, usable, new_slots))
+        rec.kv_allocated_len = end
+        rec.kv_committed_len = end
+        self.counters.admitted += 1
+        self.counters.session_hit_tokens += usable
+        self._free_window(rec, first_query=usable)
+        return ExtendGrant(rid, row, usable, usable, end)
+
+    def _start_turn(self, rid: int, session: str) -> None:
+        slot = self.slots.setdefault(session, SessionSlot())
+        slot.turn = rid
+        self.turn_session[rid] = session
 
     def check_extend(self, rid: int, total: int, budget: int) -> None:
         """Raise `LedgerError` if an extend of `rid` to `total` tokens is misuse (checked for
@@ -171,7 +296,7 @@ class KvLedger:
         short = await self._ensure_free(need)
         if short:
             return short
-        fresh = self.pool.alloc(need)
+        fresh = self._alloc_pages(need, deltas)
         k = 0
         for rec in recs:
             pos = rec.kv_allocated_len
@@ -184,6 +309,7 @@ class KvLedger:
             deltas.append(SlotDelta(rec.req_pool_idx, pos, np.array([slot], dtype=np.int64)))
             rec.kv_allocated_len = pos + 1
             rec.kv_committed_len = pos + 1
+            self._free_window(rec, first_query=pos)
         return 0
 
     def check_decode(self, rids: list[int]) -> list[ReqKvInfo]:
@@ -199,8 +325,8 @@ class KvLedger:
     async def cache_unfinished(self, rid: int, tokens: np.ndarray, deltas: list[SlotDelta]) -> None:
         """Insert the committed whole pages into the tree and move the lock there."""
         rec = self._held(rid)
-        if self.tree is None:
-            return
+        if self.tree is None or (self.swa is not None and self.swa_free_prompt):
+            return  # (prefill chunks stay the request's: the window may free them)
         aligned = floor_page(rec.kv_committed_len, self.page_size)
         if aligned <= rec.cache_protected_len:
             return
@@ -213,39 +339,69 @@ class KvLedger:
         # Our slots for [protected, existing) duplicate the tree's: free ours, use the tree's.
         dup = slots[rec.cache_protected_len : res.existing_len]
         if dup.size:
-            self.pool.free(pages_of_slots(dup, self.page_size))
+            self._free_pages(pages_of_slots(dup, self.page_size))
             tree_part = res.slots[rec.cache_protected_len : res.existing_len]
             self.table.write(row, rec.cache_protected_len, tree_part)
             deltas.append(SlotDelta(row, rec.cache_protected_len, tree_part))
         rec.cache_protected_len = aligned
 
     # ---- release -------------------------------------------------------------------------
-    async def finish(self, rid: int, tokens: np.ndarray | None) -> None:
-        """Normal finish: committed whole pages go to the tree, the rest back to the pool."""
-        await self._release(rid, tokens if self.tree is not None else None)
+    async def finish(self, rid: int, tokens: np.ndarray) -> None:
+        """Normal finish: committed whole pages go to the tree, the rest back to the pool;
+        a session's turn instead moves its whole record to the session's slot."""
         self.counters.finished += 1
+        session = self.turn_session.pop(rid, None)
+        slot = self.slots.get(session) if session is not None else None
+        if slot is None or slot.close_pending:
+            await self._release(rid, tokens if self.tree is not None else None)
+            if slot is not None:
+                del self.slots[session]
+            return
+        rec = self._held(rid)
+        del self.records[rid]
+        slot.rec = rec
+        slot.tokens = np.array(tokens[: rec.kv_committed_len], dtype=np.int64)
+        slot.turn = None
+        node = self.lock_nodes.pop(rid, None)
+        if node is not None:
+            self.session_lock_nodes[session] = node
+        self.counters.session_saves += 1
 
     async def abort(self, rid: int) -> None:
-        """Abort at any stage; idempotent. Nothing is inserted into the tree."""
+        """Abort at any stage; idempotent. Nothing is inserted into the tree; a session's
+        turn leaves the session's slot empty (its KV was the request's)."""
         rec = self.records.get(rid)
         if rec is not None and rec.is_held:
             await self._release(rid, None)
+        self._end_turn(rid)
         self.counters.aborted += 1
 
     async def retract(self, rid: int, tokens: np.ndarray) -> None:
         """KV pressure: cache the computed prefix in the tree, free the rest, keep the record.
 
-        The request goes back to the waiting queue; re-admission matches its prefix again.
+        The request goes back to the waiting queue; re-admission matches its prefix again
+        (a session's turn stays the session's; its slot stays empty).
         """
         await self._release(rid, tokens if self.tree is not None else None)
         self.counters.retracted += 1
 
+    def _end_turn(self, rid: int) -> None:
+        session = self.turn_session.pop(rid, None)
+        slot = self.slots.get(session) if session is not None else None
+        if slot is not None:
+            slot.turn = None
+            if slot.close_pending:
+                del self.slots[session]
+
     async def _release(self, rid: int, tokens: np.ndarray | None) -> None:
-        rec = self._held(rid)
+        await self._free_record(self._held(rid), self.lock_nodes.pop(rid, None), tokens)
+
+    async def _free_record(self, rec: ReqKvInfo, node: int | None, tokens: np.ndarray | None):
+        """Give back a held record's row and pages (with `tokens`, its committed whole pages
+        to the tree) and unlock its tree node; the record ends released."""
         ps = self.page_size
         row = rec.req_pool_idx
         slots = self.table.read(row, 0, rec.kv_allocated_len)
-        node = self.lock_nodes.pop(rid, None)
         own_from = rec.cache_protected_len
         if tokens is not None:
             aligned = floor_page(rec.kv_committed_len, ps)
@@ -256,16 +412,58 @@ class KvLedger:
                 node = None
                 dup = slots[rec.cache_protected_len : res.existing_len]
                 if dup.size:
-                    self.pool.free(pages_of_slots(dup, ps))
+                    self._free_pages(pages_of_slots(dup, ps))
                 own_from = aligned
         if node is not None:
             await self.tree.unlock(node)
         tail = slots[own_from : rec.kv_allocated_len]
         if tail.size:
-            self.pool.free(pages_of_slots(tail, ps))
+            self._free_pages(pages_of_slots(tail, ps))
         self.table.free_row(row)
         rec.req_pool_idx = None
         rec.mark_released()
+
+    # ---- sessions ------------------------------------------------------------------------
+    def open_slot(self, sid: str) -> None:
+        """An empty slot for a new session (idempotent)."""
+        self.slots.setdefault(sid, SessionSlot())
+
+    async def close_slots(self, sessions: list[str]) -> int:
+        """Release these sessions' slots (committed whole pages to the prefix tree, the rest
+        to the pool, the row back); a slot whose turn is running is released when the turn
+        ends. Unknown ids are ignored. Returns the pages the slots held."""
+        pages = 0
+        for sid in sessions:
+            slot = self.slots.get(sid)
+            if slot is None:
+                continue
+            if slot.turn is not None:
+                slot.close_pending = True
+                continue
+            pages += await self._release_slot_kv(sid, slot, cache=True)
+            del self.slots[sid]
+        return pages
+
+    async def _release_slot_kv(self, sid: str, slot: SessionSlot, cache: bool) -> int:
+        """Free what `slot` holds (the slot stays, empty); how many pages it held."""
+        rec = slot.rec
+        if rec is None:
+            return 0
+        pages = self._own_pages(rec)
+        tokens = slot.tokens if cache and self.tree is not None else None
+        await self._free_record(rec, self.session_lock_nodes.pop(sid, None), tokens)
+        slot.rec = None
+        slot.tokens = np.zeros(0, dtype=np.int64)
+        return pages
+
+    def slot_tokens(self, sid: str) -> int:
+        """Tokens whose KV session `sid` holds now (0: none, or no such slot)."""
+        slot = self.slots.get(sid)
+        return slot.rec.kv_committed_len if slot is not None and slot.rec is not None else 0
+
+    def session_pages(self) -> int:
+        """Pages pinned by session slots (their own pages, not the tree prefix they lock)."""
+        return sum(self._own_pages(s.rec) for s in self.slots.values() if s.rec is not None)
 
     def check_held(self, rids: list[int], need_held: list[bool] | None = None) -> None:
         """Raise `LedgerError` before a batch is applied if any item would fail: every rid
@@ -286,17 +484,23 @@ class KvLedger:
             held_rows=self.table.held_rows(),
             records=self.records,
             lock_nodes=self.lock_nodes,
+            session_records={sid: s.rec for sid, s in self.slots.items() if s.rec is not None},
+            session_lock_nodes=self.session_lock_nodes,
+            swa_map=self.swa.map if self.swa is not None else None,
+            swa_free_pages=self.swa.pool.free_pages() if self.swa is not None else None,
+            swa_total_pages=self.swa.num_pages if self.swa is not None else 0,
         )
 
     async def check(self) -> None:
         check_invariants(await self.snapshot())
 
     async def idle_problems(self) -> list[str]:
-        """The cheap conservation check of an idle engine (no request should hold anything):
-        what is wrong, naming the owners, or []."""
+        """The cheap conservation check of an idle engine (no request holds anything; only
+        session slots may): what is wrong, naming the owners, or []."""
         evictable = protected = 0
         if self.tree is not None:
             evictable, protected = await self.tree.sizes()
+        held = [s.rec for s in self.slots.values() if s.rec is not None]
         problems = check_idle(
             free=self.pool.num_free,
             tree_pages=(evictable + protected) // self.page_size,
@@ -304,7 +508,13 @@ class KvLedger:
             records=len(self.records),
             held_rows=len(self.table.held_rows()),
             locked_tokens=protected,
+            session_pages=self.session_pages(),
+            session_rows=len(held),
+            session_locked_tokens=sum(r.cache_protected_len for r in held),
+            turns=len(self.turn_session),
         )
+        if self.swa is not None:
+            problems += swa_idle_problems(self.swa, self.pool.free_pages())
         if problems and self.records:
             owners = {
                 rid: (rec.req_pool_idx, rec.kv_allocated_len)
@@ -314,26 +524,29 @@ class KvLedger:
         return problems
 
     async def drop_cache(self) -> int:
-        """Evict every page of the prefix tree (its KV contents are gone, e.g. the runner
-        restarted); how many. Only with no record left: a live request may read those pages,
-        so then `LedgerError` and nothing changes."""
+        """Forget every cached KV (its contents are gone, e.g. the runner restarted): evict
+        the whole prefix tree and empty every session slot (the sessions stay open); how many
+        pages. Only with no request record left: a live request may read those pages, so
+        then `LedgerError` and nothing changes."""
         if self.records:
             raise LedgerError(f"{len(self.records)} requests still hold KV; end them first")
+        dropped = 0
+        for sid, slot in self.slots.items():
+            dropped += await self._release_slot_kv(sid, slot, cache=False)
         if self.tree is None:
-            return 0
+            return dropped
         freed = await self.tree.evict(self.pool.num_pages)
-        self.pool.free(freed)
+        self._free_pages(freed)
         self.counters.evicted_pages += int(freed.size)
-        return int(freed.size)
+        return dropped + int(freed.size)
 
     def held_pages(self) -> int:
-        """Pages owned by live requests (not the tree's shared prefix pages)."""
+        """Pages owned by live requests (not the tree's shared prefix pages, nor sessions')."""
+        return sum(self._own_pages(r) for r in self.records.values() if r.is_held)
+
+    def _own_pages(self, rec: ReqKvInfo) -> int:
         ps = self.page_size
-        return sum(
-            ceil_page(r.kv_allocated_len, ps) // ps - r.cache_protected_len // ps
-            for r in self.records.values()
-            if r.is_held
-        )
+        return ceil_page(rec.kv_allocated_len, ps) // ps - rec.cache_protected_len // ps
 
     # ---- internals -----------------------------------------------------------------------
     def _held(self, rid: int) -> ReqKvInfo:
@@ -348,21 +561,111 @@ class KvLedger:
         return int(self.table.table[rec.req_pool_idx, rec.kv_allocated_len - 1])
 
     async def _ensure_free(self, pages: int) -> int:
-        """Make `pages` free, evicting from the tree if that suffices: 0, or the pages still
-        missing counting every evictable one (then nothing was evicted)."""
-        short = pages - self.pool.num_free
-        if short <= 0:
+        """Make `pages` free in the full pool (and the sliding pool), evicting from the tree
+        if that suffices: 0, or the pages still missing counting every evictable one (then
+        nothing was evicted)."""
+        short = await self._shortfall(pages)
+        if short:
+            return short
+        while True:
+            missing = max(pages - self.pool.num_free, 0)
+            if self.swa is not None:
+                missing = max(missing, pages - self.swa.num_free)
+            if missing == 0:
+                return 0
+            # Evicted pages whose sliding KV was already freed give no sliding page: evict on
+            # until both pools have enough (`_shortfall` counted that they will).
+            freed = await self.tree.evict(missing)
+            if freed.size == 0:
+                raise LedgerError(f"eviction found nothing; {missing} pages missing")
+            self._free_pages(freed)
+            self.counters.evicted_pages += int(freed.size)
+
+    async def _shortfall(self, pages: int, returning: int = 0) -> int:
+        """Pages missing for an allocation of `pages` once `returning` more are freed and
+        every evictable tree page is evicted (0: it can be done); changes nothing."""
+        short = pages - returning - self.pool.num_free
+        swa_short = pages - returning - self.swa.num_free if self.swa is not None else 0
+        if short <= 0 and swa_short <= 0:
             return 0
-        evictable = await self.tree.evictable_pages() if self.tree is not None else 0
+        if self.tree is None:
+            return max(short, swa_short)
+        evictable = await self.tree.evictable_pages()
         if short > evictable:
             return short - evictable
-        freed = await self.tree.evict(short)
-        self.pool.free(freed)
-        self.counters.evicted_pages += int(freed.size)
-        return max(pages - self.pool.num_free, 0)
+        if swa_short > 0:
+            # Only evictable pages that still have a sliding page give one back.
+            snap = await self.tree.snapshot()
+            pages_held = [
+                np.asarray(v, dtype=np.int64)[:: self.page_size] // self.page_size
+                for v, locks in zip(snap.values, snap.lock_refs)
+                if locks == 0 and len(v)
+            ]
+            with_swa = int(self.swa.mapped(np.concatenate(pages_held)).sum()) if pages_held else 0
+            if swa_short > with_swa:
+                return swa_short - with_swa
+        return 0
+
+    def _alloc_pages(self, n: int, deltas: list) -> np.ndarray:
+        """`n` full pages, each with a sliding page when the pools are split (the caller made
+        sure both pools have them); the new mappings go in `deltas` for the runner."""
+        pages = self.pool.alloc(n)
+        assert pages is not None, "caller must ensure free pages"
+        if self.swa is not None and n:
+            swa = self.swa.map_new(pages)
+            assert swa is not None, "caller must ensure free sliding pages"
+            deltas.append(SwaMapDelta(pages, swa))
+        return pages
+
+    def _free_pages(self, pages: np.ndarray) -> None:
+        """Give full pages back, with the sliding pages they still have."""
+        if self.swa is not None:
+            self.swa.unmap(pages)
+        self.pool.free(pages)
+
+    def _free_window(self, rec: ReqKvInfo, first_query: int) -> None:
+        """Free the sliding pages of `rec` that no query from `first_query` on can read:
+        positions <= first_query - window, whole pages, in steps, never below the tree's
+        protected prefix or `swa_evict_floor`. Full layers keep everything."""
+        if self.swa is None or not self.window:
+            return
+        ps = self.page_size
+        hi = floor_page(first_query - self.window + 1, ps)
+        lo = max(
+            rec.swa_evicted_seqlen, rec.cache_protected_len, ceil_page(rec.swa_evict_floor, ps)
+        )
+        if hi - lo < self.swa_free_step:
+            return
+        pages = pages_of_slots(self.table.read(rec.req_pool_idx, lo, hi), ps)
+        self.counters.swa_freed_pages += self.swa.unmap(pages)
+        rec.swa_evicted_seqlen = hi
+
+    def _swa_usable(self, slots: np.ndarray, length: int) -> int:
+        """The longest page-aligned prefix of a cached prefix (`slots`, `length` tokens)
+        whose last window still has its sliding KV: a query right after it must find it."""
+        if self.swa is None or not self.window or length == 0:
+            return length
+        ps = self.page_size
+        mapped = self.swa.mapped(np.asarray(slots[:length:ps], dtype=np.int64) // ps)
+        if mapped.all():
+            return length
+        for end_page in range(len(mapped), 0, -1):
+            end = end_page * ps
+            first = max(0, end - self.window + 1) // ps  # first page the next query reads
+            if mapped[first:end_page].all():
+                return end
+        return 0
+
+    def _pages_for(self, start: int, end: int, open_page: bool) -> int:
+        """New pages that positions [start, end) need; with `open_page`, the page holding
+        position start - 1 is the row's and takes the first positions."""
+        ps = self.page_size
+        n = end - start
+        in_open_page = min(n, ps - start % ps) if start % ps and open_page else 0
+        return ceil_page(n - in_open_page, ps) // ps
 
     async def _reserve_slots(
-        self, start: int, end: int, last_slot: int | None
+        self, start: int, end: int, last_slot: int | None, deltas: list
     ) -> np.ndarray | None:
         """Slots for positions [start, end): fill the open page after `last_slot`, then new
         pages."""
@@ -371,15 +674,24 @@ class KvLedger:
         in_open_page = 0
         if start % ps and last_slot is not None:
             in_open_page = min(n, ps - start % ps)
-        need_pages = ceil_page(n - in_open_page, ps) // ps
+        need_pages = self._pages_for(start, end, open_page=last_slot is not None)
         if await self._ensure_free(need_pages):
             return None
-        pages = self.pool.alloc(need_pages)
+        pages = self._alloc_pages(need_pages, deltas)
         rest = slots_of_pages(pages, ps)[: n - in_open_page]
         if not in_open_page:
             return rest
         head = np.arange(last_slot + 1, last_slot + 1 + in_open_page, dtype=np.int64)
         return np.concatenate([head, rest])
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
+    return int(differ[0]) if differ.size else n
 
 
 def _require_unique(rids: list[int]) -> None:

@@ -71,3 +71,13 @@ class LocalPrefixPort:
 
     async def snapshot(self) -> TreeSnapshot:
         return self.tree.snapshot()
+
+
+def run_sync(coro):
+    """Run a ledger coroutine whose prefix port never suspends (`LocalPrefixPort`) to its
+    result, without an event loop (tests and `bin/engine bench kv`)."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("coroutine suspended; the ledger under test must not await real I/O")

@@ -3,7 +3,7 @@
   bin/engine serve [MODEL] [vLLM-style flags] [--zmq ADDR] [--config F] [--set k=v ...]
   bin/engine generate "prompt" [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]
                       [--seed S] [--stop STR ...] [--chat] [--set k=v ...]
-  bin/engine bench {transport,model,lm_head,engine,serving,serve,offline,quality,soak} [...]
+  bin/engine bench {transport,model,lm_head,engine,serving,serve,offline,quality,soak,kv} [...]
   bin/engine zmq-keygen DIR
 
 MODEL is a .gguf file or a Hugging Face folder (default: the embedded Gemma 3 270M).
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "offline",
             "quality",
             "soak",
+            "kv",
         ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
@@ -326,6 +327,8 @@ def _bench(args) -> int:
         from actors.bench.quality import main as run
     elif args.what == "soak":
         from actors.bench.soak import main as run
+    elif args.what == "kv":
+        from actors.bench.kv import main as run
     else:
         from actors.bench.engine import main as run
     result = run()

@@ -46,9 +46,20 @@ class ModelSection(_Section):
 class KvSection(_Section):
     page_size: int = 16
     num_pages: int = 1024
-    max_rows: int = 80  # concurrent requests holding KV (>= scheduler.max_running_requests)
+    # req-to-token rows: running requests, plus idle sessions holding KV; sessions get the
+    # rows beyond scheduler.max_running_requests (at most sessions.max_sessions)
+    max_rows: int = 80
     context_len: int = 4096  # tokens per request (prompt + output)
     radix: bool = True  # prefix caching
+    # Sliding-window layers' own page pool (models with sliding layers, e.g. Gemma 3): their
+    # pages are freed once the window has passed them. -1 = as many pages as num_pages;
+    # 0 = no pool of their own (they keep every position, as full layers do); N = N pages.
+    swa_num_pages: int = -1
+    swa_free_step: int = 64  # window freeing acts in steps of at least this many tokens
+    # false: only output the window has passed is freed, prompts keep their sliding KV (every
+    # prefix stays reusable); true: prompts too (least memory; prefix hits cut to where
+    # their last window is intact)
+    swa_free_prompt: bool = False
 
 
 class SchedulerSection(_Section):
@@ -59,6 +70,14 @@ class SchedulerSection(_Section):
     max_waiting_requests: int = 256  # beyond running + this many, requests get HTTP 429
     new_token_ratio: float = 0.7  # share of max_tokens reserved at admission, decaying to
     min_new_token_ratio: float = 0.1  # this floor while no retraction happens
+
+
+class SessionsSection(_Section):
+    # open streaming sessions at most (each may pin a row and pages); also at most
+    # kv.max_rows - scheduler.max_running_requests, so sessions never starve requests of rows
+    max_sessions: int = 16
+    default_ttl_s: float = 300.0  # a session idle this long closes itself (its KV released)
+    max_ttl_s: float = 3600.0  # the longest idle timeout a client may ask for
 
 
 class EngineSection(_Section):
@@ -94,6 +113,7 @@ class EngineConfig(_Section):
     scheduler: SchedulerSection = msgspec.field(default_factory=SchedulerSection)
     engine: EngineSection = msgspec.field(default_factory=EngineSection)
     server: ServerSection = msgspec.field(default_factory=ServerSection)
+    sessions: SessionsSection = msgspec.field(default_factory=SessionsSection)
 
     @classmethod
     def load(
@@ -130,9 +150,16 @@ class EngineConfig(_Section):
             (k.page_size >= 1, "kv.page_size must be >= 1"),
             (k.num_pages >= 1, "kv.num_pages must be >= 1"),
             (k.context_len >= 2, "kv.context_len must be >= 2"),
+            (k.swa_num_pages >= -1, "kv.swa_num_pages must be -1 (as num_pages), 0 (off) or N"),
+            (k.swa_free_step >= 1, "kv.swa_free_step must be >= 1"),
             (
                 k.max_rows >= s.max_running_requests,
                 "kv.max_rows must be >= scheduler.max_running_requests",
+            ),
+            (self.sessions.max_sessions >= 0, "sessions.max_sessions must be >= 0"),
+            (
+                0 < self.sessions.default_ttl_s <= self.sessions.max_ttl_s,
+                "sessions: 0 < default_ttl_s <= max_ttl_s must hold",
             ),
             (s.chunk_size >= 1, "scheduler.chunk_size must be >= 1"),
             (

@@ -1,8 +1,8 @@
 """Placement: which actors a serving engine runs, built from the config, in which group.
 
-`engine_specs` are the core actors (radix, allocator, runner, scheduler, tokenizer) plus the
-in-process frontend; `serving_specs` add the client-facing ones of `bin/engine serve` (the
-HTTP gateway and, when asked, the ZeroMQ endpoint). With `engine.transport = "ipc"` or
+`engine_specs` are the core actors (radix, allocator, runner, scheduler, tokenizer, sessions)
+plus the in-process frontend; `serving_specs` add the client-facing ones of `bin/engine
+serve` (the HTTP gateway and, when asked, the ZeroMQ endpoint). With `engine.transport = "ipc"` or
 `"tcp"`, `engine.groups` maps an actor to a process group; "main" is this process.
 """
 
@@ -13,7 +13,28 @@ from actors.app.model_info import generation_defaults, read_chat_template, serve
 from actors.frontends.base import FrontendActor
 from actors.runtime import ActorSpec
 
-CORE_ACTORS = ("tokenizer", "scheduler", "allocator", "runner")  # + "radix" when enabled
+CORE_ACTORS = ("tokenizer", "scheduler", "allocator", "runner", "sessions")  # + "radix"
+
+
+def session_limit(cfg: EngineConfig) -> int:
+    """Open sessions at most: each idle one may hold a row, and running requests need theirs."""
+    spare_rows = cfg.kv.max_rows - cfg.scheduler.max_running_requests
+    return max(min(cfg.sessions.max_sessions, spare_rows), 0)
+
+
+def swa_pages(cfg: EngineConfig) -> int:
+    """Pages of the sliding layers' own pool (0: none)."""
+    return cfg.kv.num_pages if cfg.kv.swa_num_pages == -1 else cfg.kv.swa_num_pages
+
+
+def sliding_window(cfg: EngineConfig) -> int:
+    """The model's sliding window when its sliding layers get a pool of their own, else 0."""
+    if swa_pages(cfg) == 0:
+        return 0
+    from kernels.models import load_config
+
+    model = load_config(cfg.model.path or None)
+    return int(model.sliding_window or 0) if model.sliding_layers else 0
 
 
 def core_actor_names(cfg: EngineConfig) -> list[str]:
@@ -33,6 +54,8 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
     kv, sch, mdl = cfg.kv, cfg.scheduler, cfg.model
     group = cfg.engine.groups.get
     model_path = mdl.path or None
+    window = sliding_window(cfg)
+    swa_num_pages = swa_pages(cfg) if window else 0
     specs = [
         ActorSpec(
             "runner",
@@ -48,6 +71,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 threads=mdl.threads,
                 own_process=runner_has_own_process(cfg),
                 quantization=mdl.quantization,
+                swa_num_pages=swa_num_pages,
             ),
             group=group("runner", "main"),
             on_crash=cfg.engine.runner_on_crash,
@@ -64,6 +88,10 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 row_capacity=kv.context_len,
                 radix="radix" if kv.radix else None,
                 debug_checks=cfg.engine.debug_checks,
+                swa_num_pages=swa_num_pages,
+                sliding_window=window,
+                swa_free_step=kv.swa_free_step,
+                swa_free_prompt=kv.swa_free_prompt,
             ),
             group=group("allocator", "main"),
         ),
@@ -80,6 +108,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 radix=kv.radix,
                 new_token_ratio=sch.new_token_ratio,
                 min_new_token_ratio=sch.min_new_token_ratio,
+                sliding_window=window,
             ),
             group=group("scheduler", "main"),
         ),
@@ -93,6 +122,17 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 max_in_flight=sch.max_running_requests + sch.max_waiting_requests,
             ),
             group=group("tokenizer", "main"),
+        ),
+        ActorSpec(
+            "sessions",
+            "actors.sessions:SessionsActor",
+            dict(
+                context_len=kv.context_len,
+                max_sessions=session_limit(cfg),
+                default_ttl_s=cfg.sessions.default_ttl_s,
+                max_ttl_s=cfg.sessions.max_ttl_s,
+            ),
+            group=group("sessions", "main"),
         ),
         # The in-process frontend is shared with its owner (ServingEngine), so it stays here.
         ActorSpec("frontend", lambda: frontend, group="main"),

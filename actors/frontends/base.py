@@ -40,6 +40,7 @@ from transport.messages.engine import (
     TokenizeReply,
     TokenizeRequest,
 )
+from transport.messages.sessions import CloseSession, GetSession, OpenSession, SessionInfo
 
 ERR_ENGINE_STOPPED = "engine_stopped"  # the engine stopped (or its runner failed) mid-request
 
@@ -103,14 +104,20 @@ class FrontendActor(Actor):
 
     inbox = OutputBatch | StopAccepting | EndStreams
 
-    def __init__(self, tokenizer: str = "tokenizer") -> None:
+    def __init__(self, tokenizer: str = "tokenizer", sessions: str = "sessions") -> None:
         self.tokenizer_name = tokenizer
+        self.sessions_name = sessions
         self.router = StreamRouter()
         self.client: EngineClient | None = None
         self.accepting = True  # False while the server drains: new requests are refused
 
     async def on_start(self) -> None:
-        self.client = EngineClient(self.ref(self.tokenizer_name), self.router, self.name)
+        self.client = EngineClient(
+            self.ref(self.tokenizer_name),
+            self.router,
+            self.name,
+            sessions=self.ref(self.sessions_name),
+        )
 
     async def handle(self, msg, sender):
         if isinstance(msg, OutputBatch):
@@ -146,8 +153,15 @@ class GenerationResult:
 class EngineClient:
     """Submit requests to the tokenizer actor and read their outputs."""
 
-    def __init__(self, tokenizer: ActorRef, router: StreamRouter, frontend_name: str) -> None:
+    def __init__(
+        self,
+        tokenizer: ActorRef,
+        router: StreamRouter,
+        frontend_name: str,
+        sessions: ActorRef | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.sessions = sessions
         self.router = router
         self.frontend_name = frontend_name
         self._ids = itertools.count(1)
@@ -168,7 +182,10 @@ class EngineClient:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        session_id: str = "",
     ) -> AsyncIterator[OutputChunk]:
+        """The chunks of one request. With `session_id` it is a turn of that streaming
+        session: the prompt is the whole conversation, the session's KV is reused."""
         rid = client_rid or self.new_rid()
         recv = self.router.open(rid)
         finished = False
@@ -185,6 +202,7 @@ class EngineClient:
                         add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message,
                         chat_template_kwargs=chat_template_kwargs or {},
+                        session_id=session_id,
                     ),
                     expect=Accepted,
                 )
@@ -209,6 +227,27 @@ class EngineClient:
             if not finished:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                     await self.tokenizer.send(AbortGeneration(client_rids=[rid]))
+
+    # ---- streaming sessions ----------------------------------------------------------------
+    async def open_session(self, ttl_s: float = 0.0, max_tokens: int = 0) -> SessionInfo:
+        """A new session (ttl_s: idle timeout, 0 = the server's default; max_tokens: the
+        conversation's capacity, 0 = the context length)."""
+        return await self._session_call(OpenSession(ttl_s=ttl_s, max_tokens=max_tokens))
+
+    async def get_session(self, session_id: str) -> SessionInfo:
+        return await self._session_call(GetSession(session_id=session_id))
+
+    async def close_session(self, session_id: str) -> SessionInfo:
+        """Close it and release its KV (at the end of a running turn, if one runs)."""
+        return await self._session_call(CloseSession(session_id=session_id))
+
+    async def _session_call(self, msg) -> SessionInfo:
+        if self.sessions is None:
+            raise GenerationError("session_not_found", "this engine runs without sessions")
+        try:
+            return await self.sessions.call(msg, expect=SessionInfo)
+        except RemoteError as exc:
+            raise GenerationError(exc.reply.code, exc.reply.message) from None
 
     async def tokenize(self, **request) -> TokenizeReply:
         """Token ids of a prompt or of chat messages (TokenizeRequest's fields)."""

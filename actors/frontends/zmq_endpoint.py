@@ -48,6 +48,9 @@ from transport.messages.client import (
     ERR_INVALID_REQUEST,
     ERR_MALFORMED,
     ERR_OVERLOADED,
+    ERR_SESSION_BUSY,
+    ERR_SESSION_LIMIT,
+    ERR_SESSION_NOT_FOUND,
     ERR_SHUTTING_DOWN,
     ERR_SLOW_CLIENT,
     ERR_UNAUTHORIZED,
@@ -58,6 +61,8 @@ from transport.messages.client import (
     ClientChunk,
     ClientError,
     ClientRequestFrame,
+    ClientSession,
+    ClientSessionInfo,
     ClientSubmit,
     ClientUsage,
 )
@@ -239,6 +244,8 @@ class ZmqEndpointActor(FrontendActor):
             route = self.clients.get(identity, {}).get(message.request_id)
             if route is not None:
                 self._abort(route)
+        elif isinstance(message, ClientSession):
+            self.spawn(self._session_op, identity, message)
 
     def _on_connection_closed(self, fd: int) -> None:
         gone = [r for routes in self.clients.values() for r in routes.values() if r.fd == fd]
@@ -287,17 +294,14 @@ class ZmqEndpointActor(FrontendActor):
                     prompt_ids=msg.prompt_ids,
                     messages=msg.messages,
                     client_rid=route.engine_rid,
+                    session_id=msg.session_id,
                 )
                 async with contextlib.aclosing(stream):
                     async for chunk in stream:
                         if not self._forward(route, chunk):
                             return
         except GenerationError as exc:
-            code = {
-                ENGINE_INVALID_REQUEST: ERR_INVALID_REQUEST,
-                ENGINE_OVERLOADED: ERR_OVERLOADED,
-            }.get(exc.code, ERR_ENGINE)
-            self._refuse(route, code, exc.message)
+            self._refuse(route, _client_code(exc.code), exc.message)
         except (TimeoutError, ChannelClosed) as exc:
             self._refuse(route, ERR_ENGINE, f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # a client's request must never crash the endpoint
@@ -305,6 +309,38 @@ class ZmqEndpointActor(FrontendActor):
             self._refuse(route, ERR_ENGINE, f"{type(exc).__name__}: {exc}")
         finally:
             self._forget(route)
+
+    async def _session_op(self, identity: bytes, msg: ClientSession) -> None:
+        """Open, inspect or close a session: one ClientSessionInfo or ClientError."""
+        assert self.client is not None
+        try:
+            if msg.op == "open":
+                info = await self.client.open_session(msg.ttl_s, msg.max_tokens)
+            elif msg.op == "get":
+                info = await self.client.get_session(msg.session_id)
+            else:
+                info = await self.client.close_session(msg.session_id)
+        except GenerationError as exc:
+            self._error(identity, _client_code(exc.code), exc.message, msg.request_id)
+            return
+        except (TimeoutError, ChannelClosed) as exc:
+            self._error(identity, ERR_ENGINE, f"{type(exc).__name__}: {exc}", msg.request_id)
+            return
+        self._send(
+            identity,
+            ClientSessionInfo(
+                request_id=msg.request_id,
+                session_id=info.session_id,
+                ttl_s=info.ttl_s,
+                max_tokens=info.max_tokens,
+                turns=info.turns,
+                tokens=info.tokens,
+                held_tokens=info.held_tokens,
+                idle_s=info.idle_s,
+                busy=info.busy,
+                closed=info.closed,
+            ),
+        )
 
     def _refuse(self, route: _Route, code: str, message: str) -> None:
         self.counters["refused"] += 1
@@ -390,7 +426,7 @@ class ZmqEndpointActor(FrontendActor):
 
     # ---- sending -----------------------------------------------------------------------------
 
-    def _send(self, identity: bytes, frame: ClientChunk | ClientError) -> str:
+    def _send(self, identity: bytes, frame: ClientChunk | ClientError | ClientSessionInfo) -> str:
         """Queue one frame without waiting: "ok", "gone" (no such peer) or "full"."""
         sock = self._socket
         if sock is None:
@@ -411,3 +447,17 @@ class ZmqEndpointActor(FrontendActor):
         self, identity: bytes, code: str, message: str, request_id: str | None = None
     ) -> None:
         self._send(identity, ClientError(code=code, message=message, request_id=request_id))
+
+
+_CLIENT_CODES = {
+    ENGINE_INVALID_REQUEST: ERR_INVALID_REQUEST,
+    ENGINE_OVERLOADED: ERR_OVERLOADED,
+    ERR_SESSION_NOT_FOUND: ERR_SESSION_NOT_FOUND,
+    ERR_SESSION_BUSY: ERR_SESSION_BUSY,
+    ERR_SESSION_LIMIT: ERR_SESSION_LIMIT,
+}
+
+
+def _client_code(engine_code: str) -> str:
+    """The protocol's ClientError code for an engine refusal."""
+    return _CLIENT_CODES.get(engine_code, ERR_ENGINE)

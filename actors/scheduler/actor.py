@@ -85,6 +85,7 @@ class SchedulerActor(Actor):
         min_new_token_ratio: float = 0.1,
         ratio_decay_steps: int = 600,
         runner_timeout_s: float = 600.0,
+        sliding_window: int = 0,
     ) -> None:
         if policy not in tuple(Policy):
             raise ValueError(f"policy must be 'fcfs' or 'lpm', got {policy!r}")
@@ -94,6 +95,7 @@ class SchedulerActor(Actor):
             max_running=max_running_requests,
             max_batch_tokens=max_batch_tokens,
             chunk_size=chunk_size,
+            sliding_window=sliding_window,
         )
         ratio = NewTokenRatio(new_token_ratio, min_new_token_ratio, ratio_decay_steps)
         self.core = SchedulerCore(limits, policy_name=Policy(policy), ratio=ratio)
@@ -315,6 +317,7 @@ class SchedulerActor(Actor):
                         tokens=c.req.tokens,
                         budget=c.budget,
                         match_prefix=c.req.params.prompt_logprobs is None,
+                        session_id=c.req.session_id,
                     )
                     for c in chunks
                 ]

@@ -153,7 +153,7 @@ class StepOutbox:
 
 def merge_deltas(parts: Sequence[SlotDeltas]) -> SlotDeltas:
     """One `SlotDeltas` applying `parts` in order."""
-    parts = [p for p in parts if p.rows]
+    parts = [p for p in parts if p.rows or p.swa_full_pages]
     if not parts:
         return SlotDeltas()
     if len(parts) == 1:
@@ -163,6 +163,8 @@ def merge_deltas(parts: Sequence[SlotDeltas]) -> SlotDeltas:
         starts=[x for p in parts for x in p.starts],
         lengths=[x for p in parts for x in p.lengths],
         slots=[x for p in parts for x in p.slots],
+        swa_full_pages=[x for p in parts for x in p.swa_full_pages],
+        swa_pages=[x for p in parts for x in p.swa_pages],
     )
 
 

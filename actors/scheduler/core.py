@@ -79,6 +79,7 @@ class SchedulerCore:
                 eos_ids=frozenset(() if p.ignore_eos else n.eos_ids),
                 stop_ids=frozenset(p.stop_token_ids),
                 arrived_at=now,
+                session_id=n.session_id,
             )
             self.reqs[req.rid] = req
             self.waiting.append(req)

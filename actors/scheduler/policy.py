@@ -14,7 +14,8 @@ applies them and the actor turns them into messages. The rules, as SGLang's:
 * Admission reserves KV: a request needs its prompt's pages plus `future_pages` (a share of
   its remaining `max_tokens` given by the decaying `NewTokenRatio`, plus one page). It is
   admitted while free + evictable pages cover every active request's reservation plus its
-  own; the first request is always tried when nothing else runs.
+  own; the first request is always tried when nothing else runs. With a sliding-window pool
+  the same holds there, where a request needs at most its window plus a chunk.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class SchedulerLimits:
     max_running: int
     max_batch_tokens: int
     chunk_size: int
+    sliding_window: int = 0  # with a sliding-layer pool of its own: the window; else 0
 
 
 class NewTokenRatio:
@@ -110,14 +112,23 @@ def admit(
     ps = limits.page_size
     available = kv.free_pages + kv.evictable_pages
     reserved = sum(future_pages(r, ratio, ps) for r in active)
+    split = bool(limits.sliding_window and kv.swa_total_pages)
+    # A request holds at most its window, a chunk and a page of sliding KV at once.
+    swa_cap = math.ceil((limits.sliding_window + limits.chunk_size) / ps) + 2
+    swa_available = kv.swa_free_pages + kv.evictable_pages
+    swa_reserved = sum(min(future_pages(r, ratio, ps), swa_cap) for r in active)
     picked: list[Req] = []
     for req in candidates[: max(slots, 0)]:
         if budget <= 0:
             break
         need = math.ceil(req.num_tokens / ps) + future_pages(req, ratio, ps)
-        if (active or picked) and reserved + need > available:
+        swa_need = min(need, swa_cap)
+        if (active or picked) and (
+            reserved + need > available or (split and swa_reserved + swa_need > swa_available)
+        ):
             break
         reserved += need
+        swa_reserved += swa_need
         picked.append(req)
         budget -= min(limits.chunk_size, budget, req.num_tokens)
     return picked

@@ -31,6 +31,7 @@ class Req:
     arrived_at: float = 0.0  # time.monotonic() at submit
     queued_s: float = -1.0  # seconds from submit to its first admission
     prompt_lp_next: int = 1  # with prompt_logprobs: the next prompt token whose logprob is due
+    session_id: str = ""  # a streaming session's turn (its KV is restored and saved)
 
     @property
     def tokens(self) -> list[int]:

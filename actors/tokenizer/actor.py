@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import anyio
+import msgspec
 
 from actors.runtime import Actor
 from actors.tokenizer.chat_template import ChatTemplateError, render_chat
@@ -48,6 +49,7 @@ from transport.messages.engine import (
     TokenizeRequest,
     TokenLogprob,
 )
+from transport.messages.sessions import BeginTurn, BeginTurnReply, EndTurn
 
 OFFLOAD_ENCODE_CHARS = 8192  # longer prompts are tokenized in a worker thread
 TEMPLATE_TIMEOUT_S = 5.0  # a chat template that renders longer is refused
@@ -66,6 +68,16 @@ class _Stream:
     prompt_ids: list[int] | None = None  # kept only when prompt logprobs are asked for
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent
     queue_time_s: float = -1.0
+    session_id: str = ""  # a session's turn: the sessions actor hears when it ends
+
+
+class SessionRefused(Exception):
+    """The sessions actor refused the turn (unknown session, one already running, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 RUNNER_FAILED_TEXT = "the model runner failed while running this request; retry it"
@@ -79,6 +91,7 @@ class TokenizerActor(Actor):
         context_len: int,
         model: str | None = None,
         scheduler: str = "scheduler",
+        sessions: str | None = "sessions",
         chat_template: str | None = None,
         max_in_flight: int = 0,
         template_timeout_s: float = TEMPLATE_TIMEOUT_S,
@@ -91,6 +104,8 @@ class TokenizerActor(Actor):
         self.max_in_flight = max_in_flight
         self.chat_template_override = chat_template
         self.scheduler_name = scheduler
+        self.sessions_name = sessions
+        self._turn_ends: list[EndTurn] = []  # sent after the report that ended them
         self.streams: dict[int, _Stream] = {}
         self.by_client: dict[str, int] = {}
         self._rids = itertools.count(1)
@@ -107,6 +122,7 @@ class TokenizerActor(Actor):
             (len(piece) for piece in self.bundle.tokenizer.get_vocab()), default=1
         )
         self.scheduler = self.ref(self.scheduler_name)
+        self.sessions = self.ref(self.sessions_name) if self.sessions_name else None
 
     # ---- requests ------------------------------------------------------------------------
     async def handle(self, msg, sender):
@@ -120,6 +136,8 @@ class TokenizerActor(Actor):
                 return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
             except Overloaded as exc:
                 return ErrorReply(code=ERR_OVERLOADED, message=str(exc))
+            except SessionRefused as exc:
+                return ErrorReply(code=exc.code, message=exc.message)
         if isinstance(msg, TokenizeRequest):
             try:
                 return await self._tokenize(msg)
@@ -242,6 +260,8 @@ class TokenizerActor(Actor):
         ids = await self.encode_prompt(msg)
         p = fit_to_context(msg.params, len(ids), self.context_len)
         rid = next(self._rids)
+        if msg.session_id:
+            p = await self._begin_turn(msg.session_id, rid, len(ids), p)
         detok = IncrementalDetokenizer(
             self.bundle.tokenizer,
             prompt_ids=ids,
@@ -257,13 +277,43 @@ class TokenizerActor(Actor):
             p,
             len(ids),
             prompt_ids=list(ids) if p.prompt_logprobs is not None else None,
+            session_id=msg.session_id,
         )
         self.by_client[msg.client_rid] = rid
         eos = [] if p.ignore_eos else list(self.bundle.eos_ids)
         await self.scheduler.send(
-            SubmitRequests(reqs=[NewRequest(rid=rid, prompt_ids=ids, params=p, eos_ids=eos)])
+            SubmitRequests(
+                reqs=[
+                    NewRequest(
+                        rid=rid, prompt_ids=ids, params=p, eos_ids=eos, session_id=msg.session_id
+                    )
+                ]
+            )
         )
         return Accepted(client_rid=msg.client_rid, rid=rid, prompt_tokens=len(ids))
+
+    async def _begin_turn(
+        self, session_id: str, rid: int, prompt_tokens: int, p: GenerationParams
+    ) -> GenerationParams:
+        """Claim the session for this turn (one at a time), or raise `SessionRefused`; the
+        params with max_tokens cut to the session's capacity."""
+        if self.sessions is None:
+            raise BadRequest("this engine runs without streaming sessions")
+        reply = await self.sessions.call(
+            BeginTurn(
+                session_id=session_id,
+                rid=rid,
+                prompt_tokens=prompt_tokens,
+                max_new_tokens=p.max_tokens,
+            ),
+            expect=BeginTurnReply,
+        )
+        if not reply.ok:
+            raise SessionRefused(reply.code, reply.message)
+        if reply.max_new_tokens < p.max_tokens:
+            m = reply.max_new_tokens
+            p = msgspec.structs.replace(p, max_tokens=m, min_tokens=min(p.min_tokens, m))
+        return p
 
     # ---- outputs -------------------------------------------------------------------------
     async def _on_tokens(self, batch: TokenBatch) -> None:
@@ -286,7 +336,7 @@ class TokenizerActor(Actor):
                 st.queue_time_s = waited
             if st.stopped:
                 if finish:
-                    self._close(rid)
+                    self._close(rid, finish)
                 continue
             delta = st.detok.push(toks) if toks else None
             text = delta.text if delta else ""
@@ -327,9 +377,12 @@ class TokenizerActor(Actor):
             st.prompt_logprobs = []
             st.queue_time_s = -1.0
             if finish:
-                self._close(rid)
+                self._close(rid, finish)
         if stop_now:
             await self.scheduler.send(EndRequests(rids=stop_now, reason=FinishReason.STOP))
+        ends, self._turn_ends = self._turn_ends, []
+        for end in ends:
+            await self.sessions.send(end)
         for dest, chunks in out.items():
             await self.ref(dest).send(OutputBatch(chunks=chunks))
 
@@ -368,10 +421,21 @@ class TokenizerActor(Actor):
                     )
             pos += n
 
-    def _close(self, rid: int) -> None:
+    def _close(self, rid: int, finish: str) -> None:
         st = self.streams.pop(rid, None)
-        if st is not None:
-            self.by_client.pop(st.client_rid, None)
+        if st is None:
+            return
+        self.by_client.pop(st.client_rid, None)
+        if st.session_id:
+            # The scheduler released the turn's KV before this report: the slot is settled.
+            ok = finish not in (FinishReason.ABORT, FinishReason.ERROR)
+            end = EndTurn(
+                session_id=st.session_id,
+                rid=rid,
+                ok=ok,
+                total_tokens=st.prompt_tokens + st.completion_tokens,
+            )
+            self._turn_ends.append(end)
 
     def _logprobs(self, batch: TokenBatch, first: int, toks: list[int]) -> list[TokenLogprob]:
         dec = self.bundle.tokenizer.decode

@@ -80,6 +80,9 @@ class AttentionMetadata:
     seq_lens_host: np.ndarray
     prefix_lens_host: np.ndarray
     extend_lens_host: np.ndarray
+    # Sliding layers' slot of a full slot (identity when the KV pools are one): their keys
+    # are read at these, their new K/V written there by `KVCache.write`.
+    sliding_slots: Callable[[Tensor], Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -177,6 +180,7 @@ class AttentionMetadata:
             seq_lens_host=seq,
             prefix_lens_host=prefix,
             extend_lens_host=extend,
+            sliding_slots=kv_cache.sliding_slots if kv_cache.split else None,
         )
 
 

@@ -93,6 +93,7 @@ class TorchRefBackend(AttentionBackend):
 
     def plan(self, meta: AttentionMetadata) -> None:
         self._meta = meta
+        to_sliding = meta.sliding_slots or (lambda slots: slots)
         window = meta.shape.sliding_window
         extend = meta.extend_lens_host
         seq = meta.seq_lens_host
@@ -107,6 +108,7 @@ class TorchRefBackend(AttentionBackend):
             if window is not None and int(dec_seq.max()) > window:
                 skip = np.maximum(dec_seq - window, 0)
                 sliding = _padded_keys(meta.kv_indices, dec_start + skip, dec_seq - skip)
+            sliding = _KeySet(slots=to_sliding(sliding.slots), mask=sliding.mask)
             all_rows = decode_reqs.size == meta.batch_size
             token_index = (
                 None
@@ -122,6 +124,7 @@ class TorchRefBackend(AttentionBackend):
             sliding = full
             if window is not None and prefix + ext > window:
                 sliding = _prefill_keys(meta.kv_indices, int(kv_start[r]), prefix, ext, window)
+            sliding = _KeySet(slots=to_sliding(sliding.slots), mask=sliding.mask)
             begin = int(meta.qo_indptr_host[r])
             self._prefills.append(_PrefillPlan(begin, begin + ext, full, sliding))
 

@@ -11,16 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from actors.allocator.ledger import KvLedger, SlotDelta
-from actors.allocator.prefix_port import LocalPrefixPort
+from actors.allocator.prefix_port import LocalPrefixPort, run_sync  # noqa: F401 (re-exported)
 from kvcore import PagePool, RadixTree, ReqToTokenTable
-
-
-def run_sync(coro):
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    raise RuntimeError("coroutine suspended; the ledger under test must not await real I/O")
 
 
 def make_ledger(

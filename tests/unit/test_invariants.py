@@ -149,4 +149,43 @@ def test_idle_check_counts():
         check_idle(free=10, tree_pages=6, total=16, records=0, held_rows=0, locked_tokens=0) == []
     )
     problems = check_idle(free=9, tree_pages=6, total=16, records=1, held_rows=1, locked_tokens=4)
-    assert len(problems) == 4 and "free 9 + tree 6 != total 16" in problems[-1]
+    assert len(problems) == 4 and "free 9 + tree 6 + sessions 0 != total 16" in problems[-1]
+
+
+def test_idle_check_counts_session_slots_once():
+    idle = dict(free=6, tree_pages=6, total=16, records=0)
+    # Two sessions hold 4 pages and 2 rows, and lock a shared tree prefix of 8 tokens.
+    ok = check_idle(
+        **idle,
+        held_rows=2,
+        locked_tokens=8,
+        session_pages=4,
+        session_rows=2,
+        session_locked_tokens=16,
+    )
+    assert ok == []
+    # A row no session holds, locks no session explains, a turn still open.
+    bad = check_idle(
+        **idle,
+        held_rows=3,
+        locked_tokens=24,
+        session_pages=4,
+        session_rows=2,
+        session_locked_tokens=16,
+        turns=1,
+    )
+    assert len(bad) == 3
+    assert "turns" in bad[0] and "3 rows held, 2 by sessions" in bad[1] and "24" in bad[2]
+    # Sessions' pages counted as free or tree too: conservation breaks.
+    assert (
+        check_idle(
+            free=10,
+            tree_pages=6,
+            total=16,
+            records=0,
+            held_rows=0,
+            locked_tokens=0,
+            session_pages=4,
+        )
+        != []
+    )

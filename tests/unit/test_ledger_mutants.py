@@ -35,8 +35,8 @@ MUTANTS = {
         "match = await self.tree.match_and_lock(tokens)",
     ),
     "the ledger never evicts": (
-        "        freed = await self.tree.evict(short)\n",
-        "        freed = np.zeros(0, dtype=np.int64)\n",
+        "            freed = await self.tree.evict(missing)\n",
+        "            freed = np.zeros(0, dtype=np.int64)\n",
     ),
     "forget() drops a held record": (
         'raise LedgerError(f"request {rid} still holds row {rec.req_pool_idx}")',

@@ -51,9 +51,17 @@ OWNER_SITES: dict[tuple[str, str, str], int] = {
     ("actors/allocator/ledger.py", "KvLedger.alloc_decode", "kv_committed_len"): 1,
     # chunked prefill: finished pages move into the tree
     ("actors/allocator/ledger.py", "KvLedger.cache_unfinished", "cache_protected_len"): 1,
-    # finish / abort / retract all end here
-    ("actors/allocator/ledger.py", "KvLedger._release", "req_pool_idx"): 1,
-    ("actors/allocator/ledger.py", "KvLedger._release", "mark_released()"): 1,
+    # the prompt keeps its sliding KV (unless kv.swa_free_prompt)
+    ("actors/allocator/ledger.py", "KvLedger.alloc_extend", "swa_evict_floor"): 1,
+    ("actors/allocator/ledger.py", "KvLedger._restore", "swa_evict_floor"): 1,
+    # admission of a session's turn on the session's record: trimmed, then extended
+    ("actors/allocator/ledger.py", "KvLedger._restore", "kv_allocated_len"): 1,
+    ("actors/allocator/ledger.py", "KvLedger._restore", "kv_committed_len"): 1,
+    # the sliding window passed these positions: their sliding-layer pages are freed
+    ("actors/allocator/ledger.py", "KvLedger._free_window", "swa_evicted_seqlen"): 1,
+    # finish / abort / retract / session close all end here
+    ("actors/allocator/ledger.py", "KvLedger._free_record", "req_pool_idx"): 1,
+    ("actors/allocator/ledger.py", "KvLedger._free_record", "mark_released()"): 1,
 }
 
 

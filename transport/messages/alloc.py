@@ -14,12 +14,15 @@ from transport.messages.base import HotMessage, Message
 
 
 class SlotDeltas(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """Row writes: for each i, table[rows[i], starts[i] : starts[i] + lengths[i]] = next slots."""
+    """Row writes: for each i, table[rows[i], starts[i] : starts[i] + lengths[i]] = next slots;
+    with split KV pools, the new full -> sliding page mappings too."""
 
     rows: list[int] = []
     starts: list[int] = []
     lengths: list[int] = []
     slots: list[int] = []
+    swa_full_pages: list[int] = []
+    swa_pages: list[int] = []
 
 
 class ExtendItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -27,6 +30,7 @@ class ExtendItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
     tokens: list[int]  # every token known for the request (prompt, plus output after a retraction)
     budget: int  # at most this many tokens computed in this chunk
     match_prefix: bool = True  # False: compute every token (prompt logprobs need the logits)
+    session_id: str = ""  # a streaming session's turn: restore its KV at admission, save at finish
 
 
 class ExtendGrantItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -104,6 +108,36 @@ class KvStats(Message):
     retracted: int
     idle_checks: int = 0  # conservation checks run when the engine went idle
     idle_check_failures: int = 0
+    sessions_open: int = 0  # session slots (open sessions)
+    session_slots: int = 0  # session slots holding KV
+    session_hit_tokens: int = 0  # tokens restored from session slots at admission
+    swa_total_pages: int = 0  # the sliding layers' pool (0: they share the full pool)
+    swa_free_pages: int = 0
+    swa_freed_pages: int = 0  # sliding pages freed because the window had passed them
+
+
+class OpenSlot(Message):
+    """Sessions -> allocator: a new session (its slot holds nothing yet)."""
+
+    session_id: str
+
+
+class CloseSlots(Message):
+    """Sessions -> allocator: release these sessions' KV (a running turn's at its end)."""
+
+    session_ids: list[str]
+
+
+class CloseSlotsReply(Message):
+    pages: int  # pages the released slots held
+
+
+class SlotStatsRequest(Message):
+    session_id: str
+
+
+class SlotStats(Message):
+    held_tokens: int  # tokens whose KV the session holds now
 
 
 class IdleCheck(Message):

@@ -28,12 +28,19 @@ Client -> engine
                 unique among that client's live requests.
 `ClientAbort`   end a live request. The engine answers with a final `ClientChunk` whose
                 `finish_reason` is "abort" (unknown ids are ignored).
+`ClientSession` open (`op="open"`, optional `ttl_s`, `max_tokens`), inspect (`"get"`) or
+                close (`"close"`) a streaming session; answered by one `ClientSessionInfo`
+                (or a `ClientError`) naming the frame's `request_id`. A `ClientSubmit` with
+                `session_id` is a turn of that session: its prompt is the whole
+                conversation, and the KV the session kept from the last turn serves the
+                common prefix. One turn at a time per session ("session_busy" otherwise).
 
 Engine -> client
 ----------------
 `ClientChunk`   output of one request: new `text`, new `token_ids`, per-token `logprobs`
                 when asked for. The last chunk of a request has a `finish_reason`
                 ("stop", "length" or "abort") and `usage`; no frame follows it.
+`ClientSessionInfo` the session after a `ClientSession` frame.
 `ClientError`   a refusal. With a `request_id` it ends that request (nothing else will
                 follow for it); with `request_id = None` it answers a frame that could not
                 be decoded at all. `code` is one of the ERR_* values below.
@@ -49,7 +56,7 @@ request being written to aborted (`ClientError`, code "slow_client" when deliver
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal
 
 import msgspec
 
@@ -68,6 +75,9 @@ ERR_ENGINE: Final = "engine_error"  # the engine failed to take the request
 ERR_UNAUTHORIZED: Final = "unauthorized"  # missing or wrong api_key
 ERR_OVERLOADED: Final = "overloaded"  # the engine's queue is full: retry later
 ERR_SHUTTING_DOWN: Final = "shutting_down"  # the engine is draining: no new requests
+ERR_SESSION_NOT_FOUND: Final = "session_not_found"  # no such session (or it was closed)
+ERR_SESSION_BUSY: Final = "session_busy"  # a turn of the session is running already
+ERR_SESSION_LIMIT: Final = "session_limit"  # the most sessions are open already
 
 FINISH_ABORT: Final = "abort"
 
@@ -80,11 +90,34 @@ class ClientSubmit(Message):
     messages: list[ChatMessage] | None = None
     stream: bool = True
     api_key: str | None = None  # required when the server runs with --api-key
+    session_id: str = ""  # a turn of this streaming session
 
 
 class ClientAbort(Message):
     request_id: str
     api_key: str | None = None
+
+
+class ClientSession(Message):
+    request_id: str
+    op: Literal["open", "get", "close"]
+    session_id: str = ""  # get, close
+    ttl_s: float = 0.0  # open: idle timeout in seconds; 0: the server's default
+    max_tokens: int = 0  # open: tokens the conversation may reach; 0: the context length
+    api_key: str | None = None
+
+
+class ClientSessionInfo(Message):
+    request_id: str
+    session_id: str
+    ttl_s: float
+    max_tokens: int
+    turns: int
+    tokens: int  # conversation tokens as of the last good turn
+    held_tokens: int  # tokens whose KV the session holds
+    idle_s: float
+    busy: bool
+    closed: bool = False
 
 
 class ClientUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -108,5 +141,5 @@ class ClientError(Message):
     request_id: str | None = None
 
 
-ClientRequestFrame = ClientSubmit | ClientAbort
-ClientReplyFrame = ClientChunk | ClientError
+ClientRequestFrame = ClientSubmit | ClientAbort | ClientSession
+ClientReplyFrame = ClientChunk | ClientError | ClientSessionInfo

@@ -37,6 +37,7 @@ class GenerateRequest(Message):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # leave the last (assistant) message open
     chat_template_kwargs: dict[str, str | int | float | bool | None] = {}
+    session_id: str = ""  # a turn of this streaming session (the prompt is the whole conversation)
 
 
 class TokenizeRequest(Message):
@@ -81,6 +82,7 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     prompt_ids: list[int]
     params: GenerationParams
     eos_ids: list[int]  # stop ids from the model, honoured unless ignore_eos
+    session_id: str = ""  # a streaming session's turn
 
 
 class SubmitRequests(HotMessage):

@@ -60,6 +60,8 @@ from actors.frontends.http.schemas import (
     ModelCard,
     ModelList,
     SamplingRequest,
+    SessionCreate,
+    SessionObject,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -184,6 +186,7 @@ class GatewayApp:
             "/tokenize": {"POST": self._tokenize},
             "/detokenize": {"POST": self._detokenize},
             "/version": {"GET": self._version},
+            "/v1/sessions": {"POST": self._open_session},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -219,6 +222,8 @@ class GatewayApp:
         methods = self.routes.get(path)
         if methods is None and path.startswith("/v1/models/"):
             methods = {"GET": self._model}
+        if methods is None and path.startswith("/v1/sessions/"):
+            methods = {"GET": self._get_session, "DELETE": self._close_session}
         if methods is None:
             raise ApiError(404, f"no route {clip(path)}", type=NOT_FOUND, code="not_found")
         method = scope["method"]
@@ -454,6 +459,36 @@ class GatewayApp:
         except GenerationError as exc:
             raise from_generation_error(exc) from None
         await send_response(send, 200, _json.encode(DetokenizeResponse(prompt=text)))
+
+    # ---- streaming sessions ----------------------------------------------------------------
+    async def _open_session(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._read_body(scope, receive)
+        req: SessionCreate = self._decode(body if body.strip() else b"{}", SessionCreate)
+        await self._session_reply(send, self.client.open_session(req.ttl_s, req.max_tokens))
+
+    async def _get_session(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._session_reply(send, self.client.get_session(_session_id(scope)))
+
+    async def _close_session(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._session_reply(send, self.client.close_session(_session_id(scope)))
+
+    async def _session_reply(self, send: Send, pending: Awaitable) -> None:
+        try:
+            info = await pending
+        except GenerationError as exc:
+            raise from_generation_error(exc) from None
+        body = SessionObject(
+            id=info.session_id,
+            ttl_s=info.ttl_s,
+            max_tokens=info.max_tokens,
+            turns=info.turns,
+            tokens=info.tokens,
+            held_tokens=info.held_tokens,
+            idle_s=round(info.idle_s, 3),
+            busy=info.busy,
+            closed=info.closed,
+        )
+        await send_response(send, 200, _json.encode(body))
 
     async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_response(send, 200, _json.encode({"version": KVACTOR_VERSION}))
@@ -697,6 +732,13 @@ async def _drain(receive: Receive, already: int) -> bool:
         if not message.get("more_body", False):
             return True
     return False
+
+
+def _session_id(scope: Scope) -> str:
+    sid = scope["path"][len("/v1/sessions/") :]
+    if not sid or "/" in sid:
+        raise ApiError(404, f"no route {clip(scope['path'])}", type=NOT_FOUND, code="not_found")
+    return sid
 
 
 def _request_id(scope: Scope) -> str:

@@ -14,6 +14,11 @@ import msgspec
 
 from actors.frontends.base import ERR_ENGINE_STOPPED, GenerationError
 from actors.tokenizer.validation import ERR_INVALID_REQUEST, ERR_OVERLOADED
+from transport.messages.sessions import (
+    ERR_SESSION_BUSY,
+    ERR_SESSION_LIMIT,
+    ERR_SESSION_NOT_FOUND,
+)
 
 # OpenAI error "type" values.
 INVALID_REQUEST = "invalid_request_error"
@@ -84,7 +89,8 @@ def from_decode_error(exc: msgspec.DecodeError, body: bytes) -> ApiError:
 
 def from_generation_error(exc: GenerationError) -> ApiError:
     """The engine refused a request: bad input is a 400, a full queue a 429 (retry after a
-    second), an engine that stopped a 503, anything else a 500."""
+    second), an unknown session 404, a session already running a turn 409, an engine that
+    stopped a 503, anything else a 500."""
     if exc.code == ERR_OVERLOADED:
         return ApiError(
             429,
@@ -93,6 +99,12 @@ def from_generation_error(exc: GenerationError) -> ApiError:
             code="overloaded",
             headers=[(b"retry-after", b"1")],
         )
+    if exc.code == ERR_SESSION_NOT_FOUND:
+        return ApiError(404, exc.message, type=NOT_FOUND, param="session_id", code=exc.code)
+    if exc.code == ERR_SESSION_BUSY:
+        return ApiError(409, exc.message, param="session_id", code=exc.code)
+    if exc.code == ERR_SESSION_LIMIT:
+        return ApiError(429, exc.message, type="rate_limit_error", code=exc.code)
     if exc.code == ERR_ENGINE_STOPPED:
         return ApiError(503, exc.message, type=UNAVAILABLE, code="engine_stopped")
     if exc.code == ERR_INVALID_REQUEST:

@@ -261,7 +261,15 @@ def completion_jobs(req: CompletionRequest, defaults: dict[str, Any]) -> list[Jo
     prompts = _completion_prompts(req.prompt)
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, f"prompts x n must be at most {MAX_CHOICES}", param="n")
+    if req.session_id:
+        _check_session_turn(req, len(prompts) * n)
+        prompts = [{**prompts[0], "session_id": req.session_id}]
     return _expand(prompts, n, params, echo=bool(req.echo))
+
+
+def _check_session_turn(req: SamplingRequest, choices: int) -> None:
+    if choices != 1:
+        raise ApiError(400, "a session turn is one prompt with n = 1", param="session_id")
 
 
 def chat_jobs(req: ChatCompletionRequest, context_len: int, defaults: dict[str, Any]) -> list[Job]:
@@ -290,6 +298,9 @@ def chat_jobs(req: ChatCompletionRequest, context_len: int, defaults: dict[str, 
         "continue_final_message": bool(req.continue_final_message),
         "chat_template_kwargs": dict(req.chat_template_kwargs or {}),
     }
+    if req.session_id:
+        _check_session_turn(req, req.n or 1)
+        prompt["session_id"] = req.session_id
     return _expand([prompt], req.n or 1, params)
 
 

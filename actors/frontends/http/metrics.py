@@ -199,6 +199,34 @@ class EngineCollector(Collector):
                 pages.add_metric([m, state], value)
             yield pages
             yield _gauge(f"{OWN}kv_request_records", "Live request KV records", m, kv.records)
+            if kv.swa_total_pages:
+                swa = GaugeMetricFamily(
+                    f"{OWN}kv_swa_pages",
+                    "Sliding-window layers' KV pages (their own pool)",
+                    labels=["model_name", "state"],
+                )
+                swa.add_metric([m, "total"], kv.swa_total_pages)
+                swa.add_metric([m, "free"], kv.swa_free_pages)
+                yield swa
+                yield _counter(
+                    f"{OWN}kv_swa_freed_pages",
+                    "Sliding-layer pages freed because the window had passed them",
+                    m,
+                    kv.swa_freed_pages,
+                )
+            yield _gauge(f"{OWN}sessions_open", "Open streaming sessions", m, kv.sessions_open)
+            yield _gauge(
+                f"{OWN}sessions_holding_kv",
+                "Streaming sessions whose slot holds KV between turns",
+                m,
+                kv.session_slots,
+            )
+            yield _counter(
+                f"{OWN}session_hit_tokens",
+                "Prompt tokens served from streaming sessions' KV",
+                m,
+                kv.session_hit_tokens,
+            )
             yield _gauge(f"{OWN}kv_held_rows", "req-to-token rows held", m, kv.held_rows)
             yield _counter(
                 f"{OWN}kv_cache_hit_tokens",

@@ -74,6 +74,9 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     guided_choice: list | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
+    # kvactor: a turn of this streaming session (POST /v1/sessions); the request carries the
+    # whole conversation and the session's KV serves the part it already holds
+    session_id: str | None = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -105,6 +108,26 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
+
+
+class SessionCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/sessions."""
+
+    ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # idle timeout; 0: the server's default
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # conversation capacity; 0: the context
+
+
+class SessionObject(msgspec.Struct):
+    id: str
+    ttl_s: float
+    max_tokens: int
+    turns: int
+    tokens: int
+    held_tokens: int
+    idle_s: float
+    busy: bool
+    object: str = "session"
+    closed: bool = False
 
 
 # ---- responses -------------------------------------------------------------------------------
