@@ -116,7 +116,7 @@ class FrontendActor(Actor):
             self.ref(self.tokenizer_name),
             self.router,
             self.name,
-            sessions=self.ref(self.sessions_name),
+            sessions=self.optional_ref(self.sessions_name),
         )
 
     async def handle(self, msg, sender):

@@ -53,6 +53,15 @@ class Actor:
         """A ref to another actor of the engine, sending as this actor (cached)."""
         return self._bound_cell().refs.ref(name)
 
+    def optional_ref(self, name: str | None) -> ActorRef | None:
+        """`ref(name)`, or None when the engine runs no actor of that name."""
+        if not name:
+            return None
+        try:
+            return self.ref(name)
+        except KeyError:
+            return None
+
     def spawn(self, function: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``function(*args)`` in this actor's task group. It is cancelled when the actor
         stops; if it raises, the actor crashes."""

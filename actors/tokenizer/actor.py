@@ -122,7 +122,7 @@ class TokenizerActor(Actor):
             (len(piece) for piece in self.bundle.tokenizer.get_vocab()), default=1
         )
         self.scheduler = self.ref(self.scheduler_name)
-        self.sessions = self.ref(self.sessions_name) if self.sessions_name else None
+        self.sessions = self.optional_ref(self.sessions_name)  # None: no sessions here
 
     # ---- requests ------------------------------------------------------------------------
     async def handle(self, msg, sender):

@@ -299,12 +299,12 @@ async def main():
     try:
         await ref.ping(timeout=2.0)
         print("answered")
-    except TimeoutError:
+    except Exception:  # a timeout, or the socket giving up: no answer either way
         print("no answer")
     try:
         await ref.call(Shutdown(reason="intruder"), timeout=2.0)
         print("shutdown taken")
-    except TimeoutError:
+    except Exception:
         print("no answer")
     book.close()
 
@@ -326,8 +326,10 @@ async def test_tcp_mailboxes_refuse_a_process_without_the_system_keys() -> None:
                     [sys.executable, "-c", INTRUDER_SCRIPT, engine.directory[name]],
                     cwd=root,
                     env={**os.environ, "PYTHONPATH": str(root)},
+                    check=False,
                 )
-                assert result.stdout.decode().split() == ["no", "answer", "no", "answer"]
+                out = result.stdout.decode().split()
+                assert out == ["no", "answer", "no", "answer"], result.stderr.decode()[-2000:]
             health = await engine.health()
             assert health["p"].up and health["q"].up  # the system itself still gets through
             assert not engine.stopped
