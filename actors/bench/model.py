@@ -13,12 +13,10 @@ import argparse
 
 import torch
 
+from actors.bench.bare_executor import bare_executor
 from actors.bench.timing import time_calls
-from kernels.attention import make_attention_backend
 from kernels.config import ModelConfig
 from kernels.forward_batch import ForwardBatch
-from kernels.kv_cache import KVCache, ReqToTokenTable
-from kernels.model_executor import ModelExecutor
 from kernels.models import load_model, resolve_model_source
 
 
@@ -33,21 +31,8 @@ class _OurEngine:
     """Executor + contiguous slots per row, reset between measurements."""
 
     def __init__(self, config: ModelConfig, model: torch.nn.Module, rows: int, capacity: int):
-        dtype = model.embed_tokens.weight.dtype
         self.rows, self.capacity = rows, capacity
-        kv = KVCache(
-            config.num_layers, rows * capacity + 1, config.num_kv_heads, config.head_dim, dtype
-        )
-        self.table = ReqToTokenTable(rows, capacity)
-        self.table.apply_slot_deltas(
-            list(range(rows)),
-            [0] * rows,
-            [capacity] * rows,
-            torch.arange(1, rows * capacity + 1, dtype=torch.int32),
-        )
-        self.executor = ModelExecutor(
-            config, model, kv, make_attention_backend("torch"), self.table
-        )
+        self.executor = bare_executor(config, model, rows, capacity)
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         n = len(prompts)

@@ -52,11 +52,9 @@ def run_bare(cfg, batch: list[list[int]], new_tokens: int) -> dict:
     """The model executor and sampler alone, over the same prompts and budgets."""
     import torch
 
-    from kernels.attention import make_attention_backend
+    from actors.bench.bare_executor import bare_executor
     from kernels.cpu import choose_dtype, choose_threads
     from kernels.forward_batch import ForwardBatch
-    from kernels.kv_cache import KVCache, ReqToTokenTable
-    from kernels.model_executor import ModelExecutor
     from kernels.models import load_model
     from kernels.sampling import Sampler
 
@@ -66,19 +64,7 @@ def run_bare(cfg, batch: list[list[int]], new_tokens: int) -> dict:
     config, model = load_model(cfg.model.path or None, dtype)
     rows = len(batch)
     capacity = max(len(p) for p in batch) + new_tokens + 1
-    kv = KVCache(
-        config.num_layers, rows * capacity + 1, config.num_kv_heads, config.head_dim, dtype
-    )
-    table = ReqToTokenTable(rows, capacity)
-    table.apply_slot_deltas(
-        list(range(rows)),
-        [0] * rows,
-        [capacity] * rows,
-        torch.arange(1, rows * capacity + 1, dtype=torch.int32),
-    )
-    executor = ModelExecutor(
-        config, model, kv, make_attention_backend("torch"), table, validate=False
-    )
+    executor = bare_executor(config, model, rows, capacity, validate=False)
     sampler = Sampler()
     params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for rid in range(rows):

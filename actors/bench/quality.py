@@ -27,11 +27,9 @@ from actors.bench.timing import time_calls
 
 
 def build(mode: str, path: str | None, rows: int, capacity: int):
-    from kernels.attention import make_attention_backend
+    from actors.bench.bare_executor import bare_executor
     from kernels.cpu import choose_dtype
-    from kernels.kv_cache import KVCache, ReqToTokenTable
     from kernels.lm_head import LmHead
-    from kernels.model_executor import ModelExecutor
     from kernels.models import load_model
     from kernels.quant import quantize_linears
 
@@ -45,19 +43,7 @@ def build(mode: str, path: str | None, rows: int, capacity: int):
         head_weight = model.lm_head_weight
         quantize_linears(model.layers)
         head = LmHead(head_weight, config.final_logit_softcap, backend="int8")
-    kv = KVCache(
-        config.num_layers, rows * capacity + 1, config.num_kv_heads, config.head_dim, dtype
-    )
-    table = ReqToTokenTable(rows, capacity)
-    table.apply_slot_deltas(
-        list(range(rows)),
-        [0] * rows,
-        [capacity] * rows,
-        torch.arange(1, rows * capacity + 1, dtype=torch.int32),
-    )
-    return ModelExecutor(
-        config, model, kv, make_attention_backend("torch"), table, lm_head=head, validate=False
-    )
+    return bare_executor(config, model, rows, capacity, lm_head=head, validate=False)
 
 
 def perplexity(executor, ids: list[int], window: int) -> float:
