@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -101,8 +102,20 @@ def _ensure_authenticator(context: zmq.Context, keys: EngineKeys) -> None:
             return
         with contextlib.suppress(Exception):
             old_auth.stop()
+        # stop() may fail with its loop gone; the ZAP socket must close all the same, or
+        # its inproc address stays taken and the new handler cannot bind it.
+        zap = getattr(old_auth, "zap_socket", None)
+        if zap is not None and not zap.closed:
+            zap.close(linger=0)
     auth = AsyncioAuthenticator(context)
-    auth.start()
+    for attempt in range(100):  # the old socket's address is released by libzmq's reaper
+        try:
+            auth.start()
+            break
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or attempt == 99:
+                raise
+            time.sleep(0.01)
     auth.configure_curve_callback(domain="kvactor", credentials_provider=_AllowEngineClients())
     _authenticators[id(context)] = (loop, auth)
 
