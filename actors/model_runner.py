@@ -6,12 +6,14 @@ this process keep serving while the model computes. One thread, always the same:
 each thread that calls torch gets its own OpenMP team, and an idle team spinning
 next to a busy one halves (or worse) the speed of both. Sampling state lives here
 per request: registered by `new_reqs` (derived from its `GenerationParams`),
-dropped by `finished_rids`.
+dropped by `finished_rids`. A constrained request arrives with its grammar compiled by the
+tokenizer actor (serialized); its matcher joins its sampler state (`kernels.grammar`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,6 +56,9 @@ class ModelRunnerActor(Actor):
         self.max_rows = max_rows
         self.row_capacity = row_capacity
         self.attention_name = attention
+        self.own_process = own_process
+        self._grammars = None  # kernels.grammar.GrammarEngine, built on first use
+        self._grammars_lock = threading.Lock()
         self.executor = None
         self.sampler = None
         self.steps = 0
@@ -114,6 +119,42 @@ class ModelRunnerActor(Actor):
             validate=False,
         )
         self.sampler = Sampler()
+        if self.own_process:
+            from kernels.grammar import grammar_available
+
+            # Alone in its process, nothing shares its tokenizer preparation: do it now, in
+            # the background, rather than in the first constrained request's step.
+            if grammar_available():
+                threading.Thread(target=self._grammar_engine, daemon=True).start()
+
+    def _grammar_engine(self):
+        with self._grammars_lock:
+            if self._grammars is None:
+                from kernels.grammar import GrammarEngine
+                from kernels.tokenizer_loader import load_tokenizer
+
+                bundle = load_tokenizer(self.model_path)
+                self._grammars = GrammarEngine.shared(
+                    str(bundle.extra.get("source", self.model_path)),
+                    bundle.tokenizer,
+                    bundle.vocab_size,
+                    bundle.eos_ids,
+                )
+            return self._grammars
+
+    def _matcher(self, new):
+        """The grammar matcher of a constrained request (None for a free one)."""
+        c = new.params.constraint
+        if c is None:
+            return None
+        from kernels.grammar import constraint_key
+
+        engine = self._grammar_engine()
+        if new.grammar:
+            compiled = engine.load(constraint_key(c.kind, c.spec, c.choices), new.grammar)
+        else:  # not compiled upstream (a test driving the runner directly): compile here
+            compiled = engine.compile(c.kind, c.spec, c.choices)
+        return engine.matcher(compiled)
 
     async def handle(self, msg, sender):
         return await self._on_worker(self._step, msg)
@@ -126,7 +167,7 @@ class ModelRunnerActor(Actor):
         for rid in msg.finished_rids:
             sampler.remove_request(rid)
         for new in msg.new_reqs:
-            sampler.add_request(new.rid, new.params, list(new.prompt_ids))
+            sampler.add_request(new.rid, new.params, list(new.prompt_ids), self._matcher(new))
         if not msg.rids:
             return StepResultMsg(step=msg.step, rids=[], tokens=[])
         ends = np.cumsum(msg.extend_lens)

@@ -7,7 +7,8 @@ vLLM/OpenAI:
 1. adjustments (in place on ``logits``): ``logit_bias`` (added to its tokens' logits), then
    repetition_penalty over prompt + output tokens (divide a positive logit, multiply a
    negative one), then ``frequency_penalty * count`` and ``presence_penalty`` (once) over
-   output tokens;
+   output tokens, then, for the rows of requests with a grammar (constrained decoding,
+   `kernels.grammar`), -inf for every token the grammar does not allow next;
 2. greedy requests (temperature == 0) take the argmax of the penalised logits;
 3. otherwise: temperature, then top-k, then top-p over the top-k distribution (the smallest
    prefix of the sorted distribution whose mass reaches top_p; the top token is always kept),
@@ -23,8 +24,9 @@ Choices worth knowing:
   involves a request is computed with row-wise operations whose result does not depend on the
   other rows, so a request's tokens depend only on its seed and its own logits, never on the
   batch it rides in.
-- Logprobs are those of the model distribution after bias and penalties, before temperature,
-  top-k/top-p/min-p (``log_softmax`` of the penalised logits), as vLLM/OpenAI report them.
+- Logprobs are those of the model distribution after bias, penalties and grammar mask,
+  before temperature, top-k/top-p/min-p (``log_softmax`` of the penalised logits), as
+  vLLM/OpenAI report them.
 - ``sample`` applies the penalties to the ``logits`` tensor it is given, in place (the caller
   hands over a fresh tensor; no [B, V] copy is made for them). It runs under inference mode,
   so logits produced under inference mode are accepted.
@@ -154,8 +156,9 @@ class SamplerState:
     kept when repetition_penalty != 1).
     """
 
-    def __init__(self, params: RowParams, prompt_ids: list[int]) -> None:
+    def __init__(self, params: RowParams, prompt_ids: list[int], matcher: Any = None) -> None:
         self.params = params
+        self.matcher = matcher  # a kernels.grammar.TokenMatcher, for a constrained request
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.num_sampled = 0
@@ -173,6 +176,8 @@ class SamplerState:
 
     def record(self, token: int) -> None:
         self.num_sampled += 1
+        if self.matcher is not None:
+            self.matcher.accept(token)
         if self.output is not None:
             self.output.add(token)
         if self.seen is not None and token not in self.seen.slot:
@@ -208,6 +213,7 @@ class Sampler:
         self._probs_buf = torch.empty(0)
         self._cdf_buf = torch.empty(0)
         self._mask_buf = torch.empty(0, dtype=torch.bool)
+        self._bitmask = torch.empty(0, 0, dtype=torch.int32)
 
     def __len__(self) -> int:
         return len(self._states)
@@ -215,11 +221,14 @@ class Sampler:
     def __contains__(self, rid: int) -> bool:
         return rid in self._states
 
-    def add_request(self, rid: int, params: Any, prompt_ids: list[int]) -> None:
-        """Register `rid` with its (already validated) parameters."""
+    def add_request(
+        self, rid: int, params: Any, prompt_ids: list[int], matcher: Any = None
+    ) -> None:
+        """Register `rid` with its (already validated) parameters and, for a constrained
+        request, its grammar matcher (`kernels.grammar.TokenMatcher`)."""
         if rid in self._states:
             raise ValueError(f"request {rid} is already registered with the sampler")
-        self._states[rid] = SamplerState(RowParams.of(params), prompt_ids)
+        self._states[rid] = SamplerState(RowParams.of(params), prompt_ids, matcher)
 
     def remove_request(self, rid: int) -> None:
         self._states.pop(rid, None)
@@ -265,6 +274,9 @@ class Sampler:
 
         if any(p.has_penalties for p in params):
             self._apply_penalties(states, logits)
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if constrained:
+            self._apply_grammars(states, constrained, logits)
 
         tokens = torch.empty(len(rids), dtype=torch.int64)
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
@@ -325,6 +337,23 @@ class Sampler:
         if add_index:
             index = torch.from_numpy(np.concatenate(add_index))
             flat.index_add_(0, index, torch.from_numpy(np.concatenate(add_delta)))
+
+    # --- grammars ---------------------------------------------------------------------------
+
+    def _apply_grammars(self, states: list[SamplerState], rows: list[int], logits: Tensor) -> None:
+        """Mask the rows of constrained requests to what their grammars allow next."""
+        from kernels.grammar import apply_token_bitmask
+
+        vocab_size = states[rows[0]].matcher.vocab_size  # one grammar engine per runner
+        words = (vocab_size + 31) // 32
+        if self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
+            self._bitmask = torch.empty(
+                max(len(rows), self._bitmask.shape[0]), words, dtype=torch.int32
+            )
+        bitmask = self._bitmask[: len(rows)]
+        for j, i in enumerate(rows):
+            states[i].matcher.fill(bitmask, j)
+        apply_token_bitmask(logits, bitmask, rows, vocab_size)
 
     # --- stochastic rows ------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
   bin/engine serve [MODEL] [vLLM-style flags] [--zmq ADDR] [--config F] [--set k=v ...]
   bin/engine generate "prompt" [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]
                       [--seed S] [--stop STR ...] [--chat] [--set k=v ...]
-  bin/engine bench {transport,model,lm_head,engine,serving,serve,offline,quality,soak,kv} [...]
+  bin/engine bench {transport,model,lm_head,engine,serving,serve,offline,quality,soak,kv,
+                    grammar} [...]
   bin/engine zmq-keygen DIR
 
 MODEL is a .gguf file or a Hugging Face folder (default: the embedded Gemma 3 270M).
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             "quality",
             "soak",
             "kv",
+            "grammar",
         ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
@@ -329,6 +331,8 @@ def _bench(args) -> int:
         from actors.bench.soak import main as run
     elif args.what == "kv":
         from actors.bench.kv import main as run
+    elif args.what == "grammar":
+        from actors.bench.grammar import main as run
     else:
         from actors.bench.engine import main as run
     result = run()

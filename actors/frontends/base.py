@@ -183,6 +183,7 @@ class EngineClient:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         session_id: str = "",
+        tools: list[dict] | None = None,
     ) -> AsyncIterator[OutputChunk]:
         """The chunks of one request. With `session_id` it is a turn of that streaming
         session: the prompt is the whole conversation, the session's KV is reused."""
@@ -203,6 +204,7 @@ class EngineClient:
                         continue_final_message=continue_final_message,
                         chat_template_kwargs=chat_template_kwargs or {},
                         session_id=session_id,
+                        tools=tools or [],
                     ),
                     expect=Accepted,
                 )

@@ -80,6 +80,7 @@ class SchedulerCore:
                 stop_ids=frozenset(p.stop_token_ids),
                 arrived_at=now,
                 session_id=n.session_id,
+                grammar=n.grammar,
             )
             self.reqs[req.rid] = req
             self.waiting.append(req)
@@ -226,6 +227,7 @@ class SchedulerCore:
         batch, new = forward_batch(self.step_no, decode, prefill, deltas, unregister)
         for req in new:
             req.registered = True
+            req.grammar = b""  # the runner holds it now
         return batch
 
     def apply_results(

@@ -30,6 +30,7 @@ from actors.tokenizer.validation import (
     check_prompt_source,
     fit_to_context,
 )
+from actors.tool_calls import prompt_messages, template_knows_tools
 from transport.messages.control import ErrorReply
 from transport.messages.engine import (
     AbortGeneration,
@@ -169,12 +170,18 @@ class TokenizerActor(Actor):
             msg.add_generation_prompt,
             msg.continue_final_message,
             msg.chat_template_kwargs,
+            msg.tools,
         )
         check_prompt_size(len(text), self.context_len, self.max_token_chars)
         return await self._encode(text, False)
 
     async def _render(
-        self, messages, add_generation_prompt: bool, continue_final: bool, kwargs: dict
+        self,
+        messages,
+        add_generation_prompt: bool,
+        continue_final: bool,
+        kwargs: dict,
+        tools: list[dict] | None = None,
     ) -> str:
         """The chat template's text for `messages`. With `continue_final`, the last message
         (the assistant's, as vLLM's continue_final_message) is left open for the model."""
@@ -190,6 +197,10 @@ class TokenizerActor(Actor):
             raise BadRequest(
                 f"chat_template_kwargs: {sorted(reserved & set(kwargs))} are set by the engine"
             )
+        if tools or any(d["role"] == "tool" or d.get("tool_calls") for d in dicts):
+            native = template_knows_tools(self.chat_template)
+            dicts, extra = prompt_messages(dicts, list(tools or []), native)
+            kwargs = {**kwargs, **extra}
 
         def render() -> str:
             return render_chat(
@@ -257,6 +268,7 @@ class TokenizerActor(Actor):
         if self.max_in_flight and len(self.streams) >= self.max_in_flight:
             raise Overloaded(f"{len(self.streams)} requests are in the engine already; retry later")
         check_params(msg.params, self.vocab)
+        grammar = await self._compile(msg.params.constraint)
         ids = await self.encode_prompt(msg)
         p = fit_to_context(msg.params, len(ids), self.context_len)
         rid = next(self._rids)
@@ -285,12 +297,43 @@ class TokenizerActor(Actor):
             SubmitRequests(
                 reqs=[
                     NewRequest(
-                        rid=rid, prompt_ids=ids, params=p, eos_ids=eos, session_id=msg.session_id
+                        rid=rid,
+                        prompt_ids=ids,
+                        params=p,
+                        eos_ids=eos,
+                        session_id=msg.session_id,
+                        grammar=grammar,
                     )
                 ]
             )
         )
         return Accepted(client_rid=msg.client_rid, rid=rid, prompt_tokens=len(ids))
+
+    async def _compile(self, constraint) -> bytes:
+        """The constraint's grammar, compiled (off the event loop, once per constraint) and
+        serialized for the runner; b"" without a constraint. A constraint the grammar engine
+        refuses is the client's bad request."""
+        if constraint is None:
+            return b""
+        from kernels.grammar import GrammarEngine, GrammarError, grammar_available
+
+        if not grammar_available():
+            raise BadRequest("constraint: constrained output needs the xgrammar package")
+        bundle = self.bundle
+
+        def compile_() -> bytes:
+            engine = GrammarEngine.shared(
+                str(bundle.extra.get("source", self.model_path)),
+                bundle.tokenizer,
+                bundle.vocab_size,
+                bundle.eos_ids,
+            )
+            return engine.compile_serialized(constraint.kind, constraint.spec, constraint.choices)
+
+        try:
+            return await anyio.to_thread.run_sync(compile_)
+        except GrammarError as exc:
+            raise BadRequest(f"constraint: {exc}") from None
 
     async def _begin_turn(
         self, session_id: str, rid: int, prompt_tokens: int, p: GenerationParams
@@ -464,6 +507,7 @@ class TokenizerActor(Actor):
 
 def _msg_dict(m) -> dict:
     d = {"role": m.role, "content": m.content}
-    if m.name is not None:
-        d["name"] = m.name
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(m, key) is not None:
+            d[key] = getattr(m, key)
     return d

@@ -102,20 +102,20 @@ CASES = [
     # Known fields this server does not implement are refused, naming them (unknown ones are
     # ignored: tests/e2e/test_gateway_openai.py).
     Case(
-        "response_format",
+        "functions_deprecated",
         400,
-        completion(response_format={"type": "json_object"}),
-        param="response_format",
+        chat(functions=[{"name": "f"}]),
+        path=CHAT,
+        param="functions",
         code="unsupported_parameter",
     ),
     Case(
-        "tools",
+        "response_format_bad_schema",
         400,
-        chat(tools=[{"type": "function"}]),
-        path=CHAT,
-        param="tools",
-        code="unsupported_parameter",
+        completion(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 5}}}),
+        param="response_format",
     ),
+    Case("tools_on_completions", 400, completion(tools=[]), param="tools"),
     Case("suffix", 400, completion(suffix="x"), param="suffix"),
     Case("logit_bias_key", 400, completion(logit_bias={"abc": 1.0}), param="logit_bias"),
     Case("logit_bias_range", 400, completion(logit_bias={"5": 500.0}), param="logit_bias"),
@@ -164,7 +164,11 @@ CASES = [
         param="top_logprobs",
     ),
     Case(
-        "chat_tools_unsupported", 400, chat(tools=[{"type": "function"}]), path=CHAT, param="tools"
+        "chat_tool_without_function",
+        400,
+        chat(tools=[{"type": "function"}]),
+        path=CHAT,
+        param="tools",
     ),
     Case("wrong_method_get", 405, None, method="GET"),
     Case("wrong_method_put_chat", 405, chat(), path=CHAT, method="PUT"),

@@ -10,6 +10,7 @@ ids, one `TokenBatch` per step) -> the request's `reply_to` actor (text, one
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -19,10 +20,13 @@ from transport.messages.params import GenerationParams
 __all__ = ["GenerationParams"]  # re-exported: the parameter type of every request
 
 
-class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     role: str
     content: str | list[dict[str, str]] | None = None
     name: str | None = None
+    # OpenAI's tool-call history: an assistant's calls, and the call a tool message answers
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class GenerateRequest(Message):
@@ -38,6 +42,8 @@ class GenerateRequest(Message):
     continue_final_message: bool = False  # leave the last (assistant) message open
     chat_template_kwargs: dict[str, str | int | float | bool | None] = {}
     session_id: str = ""  # a turn of this streaming session (the prompt is the whole conversation)
+    # OpenAI function tools the chat template is told about (see actors.tool_calls)
+    tools: list[dict[str, Any]] = []
 
 
 class TokenizeRequest(Message):
@@ -83,6 +89,7 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     params: GenerationParams
     eos_ids: list[int]  # stop ids from the model, honoured unless ignore_eos
     session_id: str = ""  # a streaming session's turn
+    grammar: bytes = b""  # params.constraint compiled by the tokenizer (serialized xgrammar)
 
 
 class SubmitRequests(HotMessage):

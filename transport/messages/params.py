@@ -23,6 +23,30 @@ MAX_STOP_STRINGS: Final = 16
 MAX_STOP_STRING_CHARS: Final = 256
 MAX_LOGIT_BIAS_ENTRIES: Final = 1024
 MAX_ABS_LOGIT_BIAS: Final = 100.0
+MAX_CONSTRAINT_CHARS: Final = 256 * 1024  # a schema, regex or grammar's text
+MAX_CHOICES: Final = 1024
+CONSTRAINT_KINDS: Final = (
+    "json_object",
+    "json_schema",
+    "regex",
+    "choice",
+    "grammar",
+    "structural_tag",
+)
+
+
+class OutputConstraint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What the output must match, enforced token by token (constrained decoding).
+
+    kind: `json_object` (a JSON object), `json_schema` (spec: the schema as JSON text),
+    `regex` (spec), `choice` (exactly one of `choices`), `grammar` (spec: EBNF with a
+    `root` rule), `structural_tag` (spec: an xgrammar structural tag as JSON text; tool
+    calls use it). Whether the spec compiles is checked where requests enter the engine
+    (the tokenizer actor), with the grammar engine itself."""
+
+    kind: str
+    spec: str = ""
+    choices: list[str] = []
 
 
 class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -47,6 +71,7 @@ class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # logprobs of every prompt token after the first, with this many top alternatives
     # (None: off); such a request does not use the prefix cache (its logits are needed)
     prompt_logprobs: int | None = None
+    constraint: OutputConstraint | None = None
 
 
 class InvalidParams(ValueError):
@@ -140,6 +165,8 @@ def validate_params(p: GenerationParams, vocab_size: int | None = None) -> None:
         "prompt_logprobs",
         f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.prompt_logprobs}",
     )
+    if p.constraint is not None:
+        _check_constraint(p.constraint, p.ignore_eos, check)
     if vocab_size is not None:
         for t in p.stop_token_ids:
             check(
@@ -153,3 +180,29 @@ def validate_params(p: GenerationParams, vocab_size: int | None = None) -> None:
                 "logit_bias",
                 f"token id {t} outside the vocabulary [0, {vocab_size})",
             )
+
+
+def _check_constraint(c: OutputConstraint, ignore_eos: bool, check) -> None:
+    check(
+        c.kind in CONSTRAINT_KINDS,
+        "constraint",
+        f"kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {c.kind!r}",
+    )
+    check(
+        len(c.spec) <= MAX_CONSTRAINT_CHARS,
+        "constraint",
+        f"spec is {len(c.spec)} characters; at most {MAX_CONSTRAINT_CHARS}",
+    )
+    needs_spec = c.kind in ("json_schema", "regex", "grammar", "structural_tag")
+    check(bool(c.spec) or not needs_spec, "constraint", f"{c.kind} needs a spec")
+    if c.kind == "choice":
+        check(
+            0 < len(c.choices) <= MAX_CHOICES,
+            "constraint",
+            f"choice needs 1..{MAX_CHOICES} strings, got {len(c.choices)}",
+        )
+        check(all(c.choices), "constraint", "choice strings must not be empty")
+    else:
+        check(not c.choices, "constraint", f"choices are only for kind choice, not {c.kind}")
+    # The grammar ends on an end-of-sequence token; ignore_eos would leave nothing to emit.
+    check(not ignore_eos, "ignore_eos", "cannot be combined with a constrained output")

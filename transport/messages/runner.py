@@ -22,6 +22,7 @@ class RunnerRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     rid: int
     params: GenerationParams
     prompt_ids: list[int] = []  # only when repetition_penalty != 1 (it counts prompt tokens)
+    grammar: bytes = b""  # params.constraint's compiled grammar (serialized), when it has one
 
 
 class ForwardBatchMsg(HotMessage):

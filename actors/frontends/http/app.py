@@ -45,6 +45,7 @@ from actors.frontends.http.generation import (
     Job,
     Renderer,
     chat_jobs,
+    chat_message,
     check_model,
     clip,
     completion_jobs,
@@ -69,7 +70,7 @@ from actors.frontends.http.sse import DONE_EVENT, SSE_HEADERS, sse_event
 from actors.runtime.logging import get_logger
 from transport.channel import ChannelClosed
 from transport.messages.alloc import KvStats
-from transport.messages.engine import ChatMessage, OutputChunk, SchedulerStats
+from transport.messages.engine import OutputChunk, SchedulerStats
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this
@@ -405,7 +406,12 @@ class GatewayApp:
         model = check_model(req.model, self.model_names)
         include_usage = _include_usage(req)
         jobs = chat_jobs(req, self.context_len, self.generation_defaults)
-        renderer = ChatRenderer(model, bool(req.logprobs), request_id=scope["kvactor.request_id"])
+        renderer = ChatRenderer(
+            model,
+            bool(req.logprobs),
+            request_id=scope["kvactor.request_id"],
+            parse_tools=jobs[0].parses_tools,
+        )
         await self._generate(receive, send, jobs, renderer, bool(req.stream), include_usage)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -426,7 +432,7 @@ class GatewayApp:
         check_model(req.model, self.model_names)
         messages = None
         if req.messages is not None:
-            messages = [_chat_message(m) for m in req.messages]
+            messages = [chat_message(m) for m in req.messages]
         try:
             reply = await self.client.tokenize(
                 prompt=req.prompt,
@@ -581,7 +587,7 @@ class GatewayApp:
                     async for chunk in gen:
                         _post(tx, _Event(job.index, _CHUNK, chunk=chunk))
             except GenerationError as exc:
-                _post(tx, _Event(job.index, _ERROR, error=from_generation_error(exc)))
+                _post(tx, _Event(job.index, _ERROR, error=_named_error(exc, job)))
             except (TimeoutError, ChannelClosed) as exc:
                 error = ApiError(
                     503, f"engine unavailable: {type(exc).__name__}: {exc}", type=UNAVAILABLE
@@ -751,11 +757,14 @@ def _request_id(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
-def _chat_message(m: Any) -> ChatMessage:
-    content: Any = m.content
-    if isinstance(content, list):
-        content = [{"type": "text", "text": part.text} for part in content]
-    return ChatMessage(role=m.role, content=content, name=m.name)
+def _named_error(exc: GenerationError, job: Job) -> ApiError:
+    """The engine's error, naming the request's own field where the engine named its
+    generic one (`constraint` is `response_format`, `structured_outputs`, `tools`, ...)."""
+    error = from_generation_error(exc)
+    if job.constraint_param and exc.message.startswith("constraint:"):
+        text = job.constraint_param + exc.message.removeprefix("constraint")
+        return ApiError(error.status, text, param=job.constraint_param)
+    return error
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

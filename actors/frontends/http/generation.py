@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from actors.frontends.http.constraints import constraint_of, tool_setup
 from actors.frontends.http.errors import ApiError
 from actors.frontends.http.schemas import (
     MAX_CHOICES,
@@ -35,12 +36,18 @@ from actors.frontends.http.schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    FunctionCallOut,
+    FunctionDelta,
     PromptTokensDetails,
     SamplingRequest,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
+from actors.tool_calls import ToolCall, ToolCallParser, parse_tool_calls
 from transport.messages.engine import ChatMessage, GenerationParams, OutputChunk, TokenLogprob
+from transport.messages.params import OutputConstraint
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -54,6 +61,8 @@ class Job:
     prompt: dict[str, Any]  # the prompt keywords of EngineClient.generate
     params: GenerationParams
     echo: bool = False  # completions: the prompt precedes the completion in the response
+    parses_tools: bool = False  # chat with tools: tool calls are parsed out of the text
+    constraint_param: str | None = None  # the field the output constraint came from
 
 
 @dataclass
@@ -160,6 +169,7 @@ def _params(
     logprobs: bool,
     top_logprobs: int,
     prompt_logprobs: int | None = None,
+    constraint: OutputConstraint | None = None,
 ) -> GenerationParams:
     check_supported(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -187,11 +197,17 @@ def _params(
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         logit_bias=_logit_bias(req.logit_bias),
         prompt_logprobs=prompt_logprobs,
+        constraint=constraint,
     )
 
 
 def _expand(
-    prompts: list[dict[str, Any]], n: int, params: GenerationParams, echo: bool = False
+    prompts: list[dict[str, Any]],
+    n: int,
+    params: GenerationParams,
+    echo: bool = False,
+    parses_tools: bool = False,
+    constraint_param: str | None = None,
 ) -> list[Job]:
     jobs = []
     for p_index, prompt in enumerate(prompts):
@@ -206,6 +222,8 @@ def _expand(
                     prompt=prompt,
                     params=seeded,
                     echo=echo,
+                    parses_tools=parses_tools,
+                    constraint_param=constraint_param,
                 )
             )
     return jobs
@@ -249,6 +267,10 @@ def completion_jobs(req: CompletionRequest, defaults: dict[str, Any]) -> list[Jo
     prompt_lps = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_lps = max(req.logprobs, prompt_lps or 0)
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if getattr(req, name) is not None:
+            raise ApiError(400, f"{name}: only for /v1/chat/completions", param=name)
+    found = constraint_of(req)
     params = _params(
         req,
         defaults=defaults,
@@ -257,6 +279,7 @@ def completion_jobs(req: CompletionRequest, defaults: dict[str, Any]) -> list[Jo
         logprobs=req.logprobs is not None,
         top_logprobs=req.logprobs or 0,
         prompt_logprobs=prompt_lps,
+        constraint=found[1] if found else None,
     )
     prompts = _completion_prompts(req.prompt)
     if len(prompts) * n > MAX_CHOICES:
@@ -264,7 +287,9 @@ def completion_jobs(req: CompletionRequest, defaults: dict[str, Any]) -> list[Jo
     if req.session_id:
         _check_session_turn(req, len(prompts) * n)
         prompts = [{**prompts[0], "session_id": req.session_id}]
-    return _expand(prompts, n, params, echo=bool(req.echo))
+    return _expand(
+        prompts, n, params, echo=bool(req.echo), constraint_param=found[0] if found else None
+    )
 
 
 def _check_session_turn(req: SamplingRequest, choices: int) -> None:
@@ -275,12 +300,17 @@ def _check_session_turn(req: SamplingRequest, choices: int) -> None:
 def chat_jobs(req: ChatCompletionRequest, context_len: int, defaults: dict[str, Any]) -> list[Job]:
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    messages = []
-    for m in req.messages:
-        content: Any = m.content
-        if isinstance(content, list):
-            content = [{"type": "text", "text": part.text} for part in content]
-        messages.append(ChatMessage(role=m.role, content=content, name=m.name))
+    messages = [chat_message(m) for m in req.messages]
+    tool_mode, tools, constraint = tool_setup(req)
+    found = constraint_of(req)
+    if found is not None:
+        if constraint is not None:
+            raise ApiError(
+                400,
+                f"{found[0]}: cannot be combined with tools (use tool_choice none)",
+                param=found[0],
+            )
+        constraint = found[1]
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
     )
@@ -291,6 +321,7 @@ def chat_jobs(req: ChatCompletionRequest, context_len: int, defaults: dict[str, 
         max_tokens=max_tokens,
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,
+        constraint=constraint,
     )
     prompt = {
         "messages": messages,
@@ -298,10 +329,38 @@ def chat_jobs(req: ChatCompletionRequest, context_len: int, defaults: dict[str, 
         "continue_final_message": bool(req.continue_final_message),
         "chat_template_kwargs": dict(req.chat_template_kwargs or {}),
     }
+    if tools:
+        prompt["tools"] = [t.openai() for t in tools]
     if req.session_id:
         _check_session_turn(req, req.n or 1)
         prompt["session_id"] = req.session_id
-    return _expand([prompt], req.n or 1, params)
+    return _expand(
+        [prompt],
+        req.n or 1,
+        params,
+        parses_tools=tool_mode != "none",
+        constraint_param=found[0] if found else ("tools" if constraint else None),
+    )
+
+
+def chat_message(m: Any) -> ChatMessage:
+    """The engine's form of one OpenAI chat message (tool-call history included)."""
+    content: Any = m.content
+    if isinstance(content, list):
+        content = [{"type": "text", "text": part.text} for part in content]
+    calls = None
+    if m.tool_calls:
+        calls = [
+            {
+                "id": c.id or "",
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in m.tool_calls
+        ]
+    return ChatMessage(
+        role=m.role, content=content, name=m.name, tool_calls=calls, tool_call_id=m.tool_call_id
+    )
 
 
 # ---- outputs -> OpenAI objects ---------------------------------------------------------------
@@ -472,11 +531,20 @@ class CompletionRenderer:
 class ChatRenderer:
     """Builds /v1/chat/completions objects for one request."""
 
-    def __init__(self, model: str, want_logprobs: bool, *, request_id: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        want_logprobs: bool,
+        *,
+        request_id: str | None = None,
+        parse_tools: bool = False,
+    ) -> None:
         self.id = new_id("chatcmpl", request_id)
         self.created = int(time.time())
         self.model = model
         self.want_logprobs = want_logprobs
+        self.parse_tools = parse_tools
+        self._parsers: dict[int, ToolCallParser] = {}  # streaming, per choice
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -495,8 +563,14 @@ class ChatRenderer:
         if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
             return None
         lps = chat_logprobs(list(chunk.logprobs)) if self.want_logprobs else None
-        delta = ChatDelta(content=chunk.text) if chunk.text else ChatDelta()
         finish = chunk.finish_reason
+        if self.parse_tools:
+            delta, finish = self._tool_delta(index, chunk.text, finish)
+            if delta is None and finish is None and lps is None:
+                return None
+            delta = delta or ChatDelta()
+        else:
+            delta = ChatDelta(content=chunk.text) if chunk.text else ChatDelta()
         return self._chunk(
             ChatChunkChoice(
                 index=index,
@@ -507,6 +581,31 @@ class ChatRenderer:
             )
         )
 
+    def _tool_delta(
+        self, index: int, text: str, finish: str | None
+    ) -> tuple[ChatDelta | None, str | None]:
+        """The content and the calls a streamed chunk makes certain (calls are sent whole,
+        once their closing tag arrived); "tool_calls" ends a choice that made calls."""
+        parser = self._parsers.setdefault(index, ToolCallParser())
+        before = len(parser.calls)
+        content, calls = parser.feed(text)
+        if finish is not None:
+            content += parser.finish()
+            if parser.calls and finish == "stop":
+                finish = "tool_calls"
+        deltas = [
+            ToolCallDelta(
+                index=before + k,
+                id=call.id,
+                type="function",
+                function=FunctionDelta(name=call.name, arguments=call.arguments),
+            )
+            for k, call in enumerate(calls)
+        ]
+        if not content and not deltas:
+            return None, finish
+        return ChatDelta(content=content or None, tool_calls=deltas or None), finish
+
     def usage_event(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=[], usage=usage
@@ -516,9 +615,9 @@ class ChatRenderer:
         choices = [
             ChatChoice(
                 index=i,
-                message=ChatMessageOut(content=s.text),
+                message=self._message(s),
                 logprobs=chat_logprobs(s.logprobs) if self.want_logprobs else None,
-                finish_reason=s.finish_reason,
+                finish_reason=self._finish(s),
                 stop_reason=s.stop_reason,
             )
             for i, s in enumerate(states)
@@ -526,6 +625,23 @@ class ChatRenderer:
         return ChatCompletion(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
+
+    def _message(self, state: ChoiceState) -> ChatMessageOut:
+        if not self.parse_tools:
+            return ChatMessageOut(content=state.text)
+        content, calls = parse_tool_calls(state.text)
+        return ChatMessageOut(content=content, tool_calls=[_call_out(c) for c in calls] or None)
+
+    def _finish(self, state: ChoiceState) -> str | None:
+        if self.parse_tools and state.finish_reason == "stop" and parse_tool_calls(state.text)[1]:
+            return "tool_calls"
+        return state.finish_reason
+
+
+def _call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(
+        id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments)
+    )
 
 
 Renderer = CompletionRenderer | ChatRenderer

@@ -24,6 +24,7 @@ MAX_PROMPTS = 16  # prompts in one batched /v1/completions request
 MAX_CHOICES = 64  # engine requests one HTTP request may start (prompts x n)
 MAX_COMPLETION_LOGPROBS = 20  # completions' `logprobs` (top-n); the tokenizer caps the same
 MAX_MESSAGES = 1024
+MAX_TOOLS = 128
 
 # Every integer of a request fits a signed 64-bit integer (JSON allows any size; the engine's
 # msgpack messages do not).
@@ -33,6 +34,52 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 # ---- requests --------------------------------------------------------------------------------
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    schema: dict | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
+class FunctionIn(msgspec.Struct, kw_only=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolIn(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionIn
+
+
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
 
 
 class StreamOptions(msgspec.Struct):
@@ -63,17 +110,21 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = False
     user: str | None = None  # accepted and ignored
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    # vLLM's extensions that ask for something this server does not do: refused with 400
-    response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    functions: list | None = None
-    function_call: str | dict | None = None
+    # Constrained output (actors.frontends.http.constraints): OpenAI's response_format,
+    # vLLM's structured_outputs and its older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     guided_json: str | dict | None = None
     guided_regex: str | None = None
-    guided_choice: list | None = None
+    guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict | None = None
+    # Tool calling (chat only; actors.tool_calls)
+    tools: Annotated[list[ToolIn], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    # The deprecated function-calling fields: refused with 400 (use tools)
+    functions: list | None = None
+    function_call: str | dict | None = None
     # kvactor: a turn of this streaming session (POST /v1/sessions); the request carries the
     # whole conversation and the session's KV serves the part it already holds
     session_id: str | None = None
@@ -98,6 +149,8 @@ class ChatMessageIn(msgspec.Struct):
     role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -192,10 +245,22 @@ class ChatLogprobs(msgspec.Struct):
     refusal: None = None
 
 
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class ChatMessageOut(msgspec.Struct):
     content: str | None
     role: str = "assistant"
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -216,9 +281,22 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None  # "assistant", in the first chunk of each choice only
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -253,18 +331,7 @@ class ModelList(msgspec.Struct):
 
 
 # Known fields this server refuses (with a 400 naming them) when they are set.
-UNSUPPORTED = (
-    "response_format",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-)
+UNSUPPORTED = ("functions", "function_call")
 
 
 # ---- tokenizer endpoints (vLLM's shapes) ------------------------------------------------------
