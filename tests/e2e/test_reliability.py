@@ -341,6 +341,20 @@ def test_runner_killed_with_restart_policy_serves_again():
         )
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["finish_reason"] == "length"
+        # A constrained request: its grammar, compiled in this process, is loaded by the
+        # new runner process from the bytes the request carries.
+        constrained = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={
+                **_body("Pick a color:", 8, stream=False),
+                "ignore_eos": False,
+                "guided_choice": ["red", "blue"],
+            },
+            headers=server.auth,
+            timeout=120,
+        )
+        assert constrained.status_code == 200, constrained.text
+        assert constrained.json()["choices"][0]["text"] in ("red", "blue")
         figures, _ = wait_idle(server, timeout_s=10)
         assert is_idle(figures)
         assert server.process.poll() is None

@@ -302,3 +302,21 @@ def test_each_mode_constrains_calls_to_valid_ones(mode):
         for call in calls:
             assert call.name in {t.name for t in tools}
             jsonschema.validate(json.loads(call.arguments), TOOLS[call.name].parameters)
+
+
+@pytest.mark.model
+def test_the_grammar_benchmark_runs_on_a_tiny_workload():
+    from actors.bench.grammar import run
+
+    result = run([1, 2], reps=2, with_llguidance=False)
+    assert result["vocab"] == 262144 and result["tokenizer_prep_ms"] > 0
+    assert set(result["compile_ms"]) == {"json_schema", "regex", "json_object"}
+    assert [(r["state"], r["batch"]) for r in result["per_step"]] == [
+        ("in a string", 1),
+        ("in a string", 2),
+        ("between fields", 1),
+        ("between fields", 2),
+    ]
+    for r in result["per_step"]:
+        assert r["allowed_per_row"] > 0 and r["sampler_constrained_ms"] > 0
+    json.dumps(result)  # what --json writes
