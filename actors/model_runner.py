@@ -24,6 +24,11 @@ from actors.runtime import Actor
 from transport.messages.runner import ForwardBatchMsg, StepResultMsg
 
 
+def attention_ok_for_graphs(name: str) -> bool:
+    """Whether a backend plans into fixed buffers, as decode graphs need (FlashInfer)."""
+    return name == "flashinfer"
+
+
 class ModelRunnerActor(Actor):
     inbox = ForwardBatchMsg
 
@@ -35,28 +40,38 @@ class ModelRunnerActor(Actor):
         row_capacity: int,
         model: str | None = None,
         dtype: str = "auto",
-        attention: str = "torch",
+        attention: str = "auto",
         threads: int = 0,
         own_process: bool = False,
         quantization: str = "none",
         swa_num_pages: int = 0,
+        device: str = "auto",
+        cuda_graphs: bool = True,
     ) -> None:
         from kernels.cpu import choose_dtype, choose_threads
+        from kernels.device import choose_attention, choose_device
 
         if quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {quantization!r}")
         self.quantization = quantization
         self.model_path = model
-        # Chosen here, before anything loads: a dtype this CPU cannot run fails the start.
-        self.dtype, self.dtype_reason = choose_dtype(dtype)
+        # Chosen here, before anything loads: what this machine cannot run fails the start.
+        self.device, self.device_reason = choose_device(device)
+        self.attention_name, self.attention_reason = choose_attention(attention, self.device)
+        self.dtype, self.dtype_reason = choose_dtype(dtype, self.device)
+        if quantization != "none" and self.device != "cpu":
+            raise ValueError(f"quantization = {quantization} is a CPU path; use none on CUDA")
         self.threads, self.threads_reason = choose_threads(threads, own_process)
         self.num_pages = num_pages
         self.swa_num_pages = swa_num_pages  # sliding layers' own pool (0: they share the full one)
         self.page_size = page_size
         self.max_rows = max_rows
         self.row_capacity = row_capacity
-        self.attention_name = attention
         self.own_process = own_process
+        # Decode graphs need CUDA and a backend that plans into fixed buffers (FlashInfer).
+        self.cuda_graphs = (
+            cuda_graphs and self.device == "cuda" and attention_ok_for_graphs(self.attention_name)
+        )
         self._grammars = None  # kernels.grammar.GrammarEngine, built on first use
         self._grammars_lock = threading.Lock()
         self.executor = None
@@ -71,6 +86,11 @@ class ModelRunnerActor(Actor):
     async def on_start(self) -> None:
         self.log.info(
             "runner settings",
+            device=self.device,
+            device_reason=self.device_reason,
+            attention=self.attention_name,
+            attention_reason=self.attention_reason,
+            cuda_graphs=self.cuda_graphs,
             dtype=str(self.dtype).removeprefix("torch."),
             dtype_reason=self.dtype_reason,
             threads=self.threads,
@@ -90,6 +110,7 @@ class ModelRunnerActor(Actor):
 
         torch.set_num_threads(self.threads)
         config, model = load_model(self.model_path, self.dtype)
+        model = model.to(self.device)
         lm_head = None
         if self.quantization == "int8":
             from kernels.lm_head import LmHead
@@ -103,20 +124,31 @@ class ModelRunnerActor(Actor):
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             dtype=self.dtype,
+            device=self.device,
             page_size=self.page_size,
             sliding_layers=config.sliding_layers,
             swa_num_pages=self.swa_num_pages,
         )
-        table = ReqToTokenTable(self.max_rows + 1, self.row_capacity)
+        table = ReqToTokenTable(self.max_rows + 1, self.row_capacity, device=self.device)
+        options = (
+            {} if self.attention_name == "torch" else {"device": self.device, "dtype": self.dtype}
+        )
+        if self.cuda_graphs:
+            from kernels.cuda_graphs import DECODE_BUCKETS
+
+            largest = max(DECODE_BUCKETS)
+            per_request = -(-self.row_capacity // self.page_size)
+            options["graph_max_pages"] = largest * (per_request + 1)
         self.config = config
         self.executor = ModelExecutor(
             config,
             model,
             kv,
-            make_attention_backend(self.attention_name),
+            make_attention_backend(self.attention_name, **options),
             table,
             lm_head=lm_head,
             validate=False,
+            cuda_graphs=self.cuda_graphs,
         )
         self.sampler = Sampler()
         if self.own_process:

@@ -160,6 +160,16 @@ class ReqToTokenTable:
             raise ValueError("slot delta runs past the row capacity")
         if (rows_np < 0).any() or (rows_np >= self.num_rows).any():
             raise ValueError("slot delta names a row outside the table")
+        if self.device.type == "cuda":  # one kernel launch, checked above on the host
+            from kernels.triton_ops import apply_slot_deltas
+
+            def dev(a: np.ndarray) -> Tensor:
+                return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+            apply_slot_deltas(
+                self.table, dev(rows_np), dev(starts_np), dev(lengths_np), slots.to(self.device)
+            )
+            return
         run_starts_flat = np.cumsum(lengths_np) - lengths_np
         row_idx = np.repeat(rows_np, lengths_np)
         col_shift = np.repeat(starts_np - run_starts_flat, lengths_np)

@@ -33,6 +33,7 @@ class ModelExecutor:
         req_to_token: ReqToTokenTable,
         lm_head: LmHead | None = None,
         validate: bool = True,
+        cuda_graphs: bool = False,
     ) -> None:
         self.config = config
         self.model = model
@@ -55,10 +56,17 @@ class ModelExecutor:
         for layer_type in sorted(set(config.layer_types)):
             spec = config.rope_local if layer_type == "sliding_attention" else config.rope
             self.rotary[layer_type] = RotaryCache(spec, config.head_dim, self.device)
+        self.graphs = None
+        if cuda_graphs:
+            from kernels.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> Tensor:
         """float32 logits [num requests with need_logits, vocab], in batch order."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch, self._build(batch))
         hidden = self.forward_hidden(batch)
         if hidden.shape[0] == 0:
             return torch.empty((0, self.config.vocab), dtype=torch.float32, device=self.device)
@@ -89,14 +97,18 @@ class ModelExecutor:
         meta = self._prepare(batch)
         return self._body(batch, meta, self._logit_rows(batch, meta))
 
-    def _prepare(self, batch: ForwardBatch) -> AttentionMetadata:
+    def _build(self, batch: ForwardBatch) -> AttentionMetadata:
+        """Apply the batch's slot deltas and build its attention metadata."""
         if batch.slot_deltas is not None:
             d = batch.slot_deltas
             self.req_to_token.apply_slot_deltas(d.rows, d.starts, d.lengths, d.flat_slots)
             self.kv_cache.map_swa(d.swa_full_pages, d.swa_pages)
-        meta = AttentionMetadata.build(
+        return AttentionMetadata.build(
             batch, self.req_to_token, self.kv_cache, self.shape, validate=self.validate
         )
+
+    def _prepare(self, batch: ForwardBatch) -> AttentionMetadata:
+        meta = self._build(batch)
         self.attention.plan(meta)
         return meta
 

@@ -5,6 +5,7 @@
                       [--seed S] [--stop STR ...] [--chat] [--set k=v ...]
   bin/engine bench {transport,model,lm_head,engine,serving,serve,offline,quality,soak,kv,
                     grammar} [...]
+  bin/engine gpu-check [--dry-run] [--json FILE]
   bin/engine zmq-keygen DIR
 
 MODEL is a .gguf file or a Hugging Face folder (default: the embedded Gemma 3 270M).
@@ -96,6 +97,12 @@ def _config(args, **extra):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu-check"]:  # its own parser owns every flag after it
+        from actors.bench.gpu_check import main as gpu_check
+
+        sys.argv = ["bin/engine gpu-check", *argv[1:]]
+        return gpu_check()
     parser = argparse.ArgumentParser(prog="bin/engine", description="kvactor LLM serving engine")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -152,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat turn")
     gen.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+
+    sub.add_parser(  # dispatched above; listed for --help
+        "gpu-check",
+        help="prove the GPU runner on one device (parity, throughput, bandwidth); --dry-run: CPU",
+    )
 
     keygen = sub.add_parser(
         "zmq-keygen", help="write a CURVE keypair for the ZeroMQ endpoint into DIR"

@@ -35,7 +35,12 @@ class ModelSection(_Section):
     path: str = ""  # "" = the embedded Gemma 3 270M; or a .gguf file / a Hugging Face folder
     # auto: bf16 where the CPU computes it natively, else fp32 (kernels/cpu.py)
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16"] = "auto"
-    attention: Literal["torch"] = "torch"
+    # auto: CUDA when torch sees a GPU, else the CPU (kernels/device.py)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # auto: torch on the CPU; flashinfer on CUDA when installed, else triton
+    attention: Literal["auto", "torch", "flashinfer", "triton"] = "auto"
+    # decode steps as CUDA graphs per batch-size bucket (CUDA + flashinfer only)
+    cuda_graphs: bool = True
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
     quantization: Literal["none", "int8"] = "none"  # int8: weight-only, kernels/quant.py
     # generation defaults: "auto" = the model folder's generation_config.json (if any),

@@ -67,6 +67,8 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 row_capacity=kv.context_len,
                 model=model_path,
                 dtype=mdl.dtype,
+                device=mdl.device,
+                cuda_graphs=mdl.cuda_graphs,
                 attention=mdl.attention,
                 threads=mdl.threads,
                 own_process=runner_has_own_process(cfg),

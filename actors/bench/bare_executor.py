@@ -1,33 +1,49 @@
 """The model executor alone, for benchmarks that bypass the engine: `rows` requests, each
 owning a contiguous run of `capacity` slots (row r holds slots r * capacity + 1 ...; slot
-0 is the padding page), so no allocator is needed."""
+0 is the padding page), so no allocator is needed. The model's device is the KV's; on CUDA
+`attention` names the backend ("torch" elsewhere)."""
 
 from __future__ import annotations
 
 
-def bare_executor(config, model, rows: int, capacity: int, lm_head=None, validate: bool = True):
+def bare_executor(
+    config,
+    model,
+    rows: int,
+    capacity: int,
+    lm_head=None,
+    validate: bool = True,
+    attention: str = "torch",
+):
     import torch
 
     from kernels.attention import make_attention_backend
     from kernels.kv_cache import KVCache, ReqToTokenTable
     from kernels.model_executor import ModelExecutor
 
-    dtype = model.embed_tokens.weight.dtype
+    weight = model.embed_tokens.weight
+    dtype, device = weight.dtype, weight.device
     kv = KVCache(
-        config.num_layers, rows * capacity + 1, config.num_kv_heads, config.head_dim, dtype
+        config.num_layers,
+        rows * capacity + 1,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype,
+        device=device,
     )
-    table = ReqToTokenTable(rows, capacity)
+    table = ReqToTokenTable(rows, capacity, device=device)
     table.apply_slot_deltas(
         list(range(rows)),
         [0] * rows,
         [capacity] * rows,
         torch.arange(1, rows * capacity + 1, dtype=torch.int32),
     )
+    options = {} if attention == "torch" else {"device": device, "dtype": dtype}
     return ModelExecutor(
         config,
         model,
         kv,
-        make_attention_backend("torch"),
+        make_attention_backend(attention, **options),
         table,
         lm_head=lm_head,
         validate=validate,

@@ -54,17 +54,21 @@ def run_bare(cfg, batch: list[list[int]], new_tokens: int) -> dict:
 
     from actors.bench.bare_executor import bare_executor
     from kernels.cpu import choose_dtype, choose_threads
+    from kernels.device import choose_attention, choose_device
     from kernels.forward_batch import ForwardBatch
     from kernels.models import load_model
     from kernels.sampling import Sampler
 
-    dtype, _ = choose_dtype(cfg.model.dtype)
+    device, _ = choose_device(cfg.model.device)
+    attention, _ = choose_attention(cfg.model.attention, device)
+    dtype, _ = choose_dtype(cfg.model.dtype, device)
     threads, _ = choose_threads(cfg.model.threads, own_process=False)
     torch.set_num_threads(threads)
     config, model = load_model(cfg.model.path or None, dtype)
+    model = model.to(device)
     rows = len(batch)
     capacity = max(len(p) for p in batch) + new_tokens + 1
-    executor = bare_executor(config, model, rows, capacity, validate=False)
+    executor = bare_executor(config, model, rows, capacity, validate=False, attention=attention)
     sampler = Sampler()
     params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for rid in range(rows):
@@ -106,6 +110,8 @@ def run_bare(cfg, batch: list[list[int]], new_tokens: int) -> dict:
             last[rid] = tok
             lens[rid] += 1
         produced += len(active)
+    if device == "cuda":
+        torch.cuda.synchronize()
     wall = time.perf_counter() - t
     return {"wall_s": wall, "output_tokens": produced, "output_tok_s": produced / wall}
 

@@ -15,6 +15,7 @@ is FlashInfer's spelling of the sliding window (keys in [q - window_left, q]).
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -202,6 +203,13 @@ class AttentionBackend(ABC):
         Writes k/v into `kv_cache` at the planned slots before attending.
         """
 
+    @staticmethod
+    def planned(plan):
+        """`plan` (what `plan()` stored), or the error of a forward before any plan."""
+        if plan is None:
+            raise RuntimeError("plan() must run before forward()")
+        return plan
+
 
 _REGISTRY: dict[str, Callable[..., AttentionBackend]] = {}
 
@@ -217,16 +225,24 @@ def register_attention_backend(name: str) -> Callable[[BackendClass], BackendCla
     return decorator
 
 
-def make_attention_backend(name: str, **options) -> AttentionBackend:
-    """Instantiate a registered backend ("torch" is the CPU reference)."""
-    import kernels.attention.torch_ref  # noqa: F401  (registers the reference backend)
+# Each backend's module, imported only when that backend is asked for: a CPU engine never
+# imports the GPU ones (nor their packages).
+BACKEND_MODULES = {
+    "torch": "kernels.attention.torch_ref",
+    "flashinfer": "kernels.attention.flashinfer_backend",
+    "triton": "kernels.attention.triton_backend",
+}
 
+
+def make_attention_backend(name: str, **options) -> AttentionBackend:
+    """Instantiate a backend by name ("torch" is the CPU reference; "flashinfer" and
+    "triton" run on CUDA and take `device` and `dtype` options)."""
+    if name not in _REGISTRY and name in BACKEND_MODULES:
+        importlib.import_module(BACKEND_MODULES[name])
     if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_REGISTRY)}")
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(BACKEND_MODULES)}")
     return _REGISTRY[name](**options)
 
 
 def available_attention_backends() -> list[str]:
-    import kernels.attention.torch_ref  # noqa: F401
-
-    return sorted(_REGISTRY)
+    return sorted(BACKEND_MODULES)

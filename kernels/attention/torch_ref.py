@@ -131,9 +131,7 @@ class TorchRefBackend(AttentionBackend):
     def forward(
         self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, is_sliding: bool
     ) -> Tensor:
-        meta = self._meta
-        if meta is None:
-            raise RuntimeError("plan() must run before forward()")
+        meta = self.planned(self._meta)
         kv_cache.write(layer_id, meta.out_slots, k, v)
         k_all, v_all = kv_cache.layer_kv(layer_id)
         shape = meta.shape
