@@ -34,6 +34,9 @@ Choices worth knowing:
   in float32) get weight exactly 0: subnormal arithmetic would slow every pass tens of times.
 - Penalty state is sparse: per request, a dict + numpy arrays of distinct token ids and counts;
   each step gathers them into one flat index over [B, V] (no dense [B, V] state).
+- Logits on a GPU are sampled there (`kernels.device_sampling`, same semantics, one copy of
+  the token ids back) unless a request of the step has penalties, a grammar or logprobs;
+  then the step's logits come to the CPU once.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kernels.device_sampling import sample_rows, simple_enough
 
 # First candidate count tried when a top-p row has no top-k; grows x16 (then to the whole
 # vocabulary) until the nucleus fits.
@@ -264,7 +269,16 @@ class Sampler:
         if missing:
             raise KeyError(f"requests not registered with the sampler: {missing}")
         if logits.device.type != "cpu":
-            logits = logits.float().cpu()  # this sampler computes on the CPU
+            states = [self._states[rid] for rid in rids]
+            if all(s.matcher is None and simple_enough(s.params) for s in states):
+                # On the logits' device; one copy of the B token ids comes back.
+                uniforms = [None if s.params.is_greedy else s.next_uniform() for s in states]
+                tokens = sample_rows(logits.float(), [s.params for s in states], uniforms)
+                output = SampleOutput(tokens=tokens.tolist())
+                for state, token in zip(states, output.tokens):
+                    state.record(token)
+                return output
+            logits = logits.float().cpu()  # penalties, grammars, logprobs: on the CPU
         if logits.dtype != torch.float32 or not logits.is_contiguous():
             logits = logits.float().contiguous()
         states = [self._states[rid] for rid in rids]

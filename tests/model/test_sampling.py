@@ -472,3 +472,41 @@ def test_logit_bias_forbids_and_forces_tokens() -> None:
     out = sampler.sample([1, 2, 3], logits.clone())
     assert out.tokens[0] != top
     assert out.tokens[1] == 7 and out.tokens[2] == 9
+
+
+def test_sampling_on_the_logits_device_draws_what_the_cpu_path_draws():
+    """kernels.device_sampling (run here on CPU tensors) picks the CPU sampler's token for
+    the same logits and the same per-request uniforms, for every truncation mix."""
+    from kernels.device_sampling import sample_rows
+    from kernels.sampling import RowParams, Sampler
+    from transport.messages.params import GenerationParams
+
+    mixes = [
+        GenerationParams(temperature=0.0),
+        GenerationParams(temperature=0.7, seed=1),
+        GenerationParams(temperature=1.0, top_k=5, seed=2),
+        GenerationParams(temperature=1.3, top_p=0.9, seed=3),
+        GenerationParams(temperature=0.9, top_k=50, top_p=0.8, seed=4),
+        GenerationParams(temperature=1.0, min_p=0.05, seed=5),
+        GenerationParams(temperature=1.5, top_k=1, seed=6),
+        GenerationParams(temperature=0.5, top_p=0.3, min_p=0.1, seed=7),
+    ]
+    cpu = Sampler()
+    for rid, p in enumerate(mixes):
+        cpu.add_request(rid, p, [])
+    generators = [
+        torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in mixes
+    ]
+    rows = [RowParams.of(p) for p in mixes]
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(len(mixes), 4096, generator=rng) * 4
+        want = cpu.sample(list(range(len(mixes))), logits.clone()).tokens
+        uniforms = [
+            None
+            if g is None or r.is_greedy
+            else float(torch.rand((), generator=g, dtype=torch.float64))
+            for g, r in zip(generators, rows)
+        ]
+        got = sample_rows(logits.clone(), rows, uniforms).tolist()
+        assert got == want
