@@ -21,12 +21,8 @@ import numpy as np
 import torch
 
 from actors.runtime import Actor
+from kernels.cuda_graphs import GRAPH_BACKENDS, graph_max_pages
 from transport.messages.runner import ForwardBatchMsg, StepResultMsg
-
-
-def attention_ok_for_graphs(name: str) -> bool:
-    """Whether a backend plans into fixed buffers, as decode graphs need (FlashInfer)."""
-    return name == "flashinfer"
 
 
 class ModelRunnerActor(Actor):
@@ -57,8 +53,10 @@ class ModelRunnerActor(Actor):
         self.model_path = model
         # Chosen here, before anything loads: what this machine cannot run fails the start.
         self.device, self.device_reason = choose_device(device)
-        self.attention_name, self.attention_reason = choose_attention(attention, self.device)
         self.dtype, self.dtype_reason = choose_dtype(dtype, self.device)
+        self.attention_name, self.attention_reason = choose_attention(
+            attention, self.device, self.dtype
+        )
         if quantization != "none" and self.device != "cpu":
             raise ValueError(f"quantization = {quantization} is a CPU path; use none on CUDA")
         self.threads, self.threads_reason = choose_threads(threads, own_process)
@@ -70,7 +68,7 @@ class ModelRunnerActor(Actor):
         self.own_process = own_process
         # Decode graphs need CUDA and a backend that plans into fixed buffers (FlashInfer).
         self.cuda_graphs = (
-            cuda_graphs and self.device == "cuda" and attention_ok_for_graphs(self.attention_name)
+            cuda_graphs and self.device == "cuda" and self.attention_name in GRAPH_BACKENDS
         )
         self._grammars = None  # kernels.grammar.GrammarEngine, built on first use
         self._grammars_lock = threading.Lock()
@@ -134,11 +132,7 @@ class ModelRunnerActor(Actor):
             {} if self.attention_name == "torch" else {"device": self.device, "dtype": self.dtype}
         )
         if self.cuda_graphs:
-            from kernels.cuda_graphs import DECODE_BUCKETS
-
-            largest = max(DECODE_BUCKETS)
-            per_request = -(-self.row_capacity // self.page_size)
-            options["graph_max_pages"] = largest * (per_request + 1)
+            options["graph_max_pages"] = graph_max_pages(self.row_capacity, self.page_size)
         self.config = config
         self.executor = ModelExecutor(
             config,

@@ -143,7 +143,8 @@ class ToolCallParser:
     `feed` returns the content that is certain (text that cannot be the start of a call;
     whitespace is held until non-blank text follows, so the blanks between calls never
     become content) and the calls whose closing tag arrived; `finish` returns the rest. A
-    block that is not a valid call (bad JSON, no name) is content, as written."""
+    block that is not a valid call is content, as written: at its closing tag when it does
+    not open with `{`, at the end of the text when it does but never parses."""
 
     def __init__(self) -> None:
         self._buf = ""
@@ -158,12 +159,12 @@ class ToolCallParser:
         calls: list[ToolCall] = []
         while True:
             if self._in_call:
-                end = self._buf.find(CALL_END)
-                if end < 0:
+                found = self._close_call()
+                if found is None:
                     break
+                end, call = found
                 body, self._buf = self._buf[:end], self._buf[end + len(CALL_END) :]
                 self._in_call = False
-                call = _parse_call(body)
                 if call is None:
                     out.append(self._take_blank() + CALL_BEGIN + body + CALL_END)
                 else:
@@ -184,6 +185,23 @@ class ToolCallParser:
         self.content.append(text_out)
         self.calls += calls
         return text_out, calls
+
+    def _close_call(self) -> tuple[int, ToolCall | None] | None:
+        """Where the open call's block ends, and its call (None: not a call), or None while
+        it may still go on. A block ends at the first `</tool_call>` before which it parses
+        (the tag may also appear inside an argument string); one that does not open with `{`
+        is not a call and ends at the first tag. Both depend only on text already seen, so
+        streaming splits text exactly as the whole-text parse does."""
+        start = 0
+        while (end := self._buf.find(CALL_END, start)) >= 0:
+            body = self._buf[:end]
+            if not body.lstrip().startswith("{"):
+                return end, None
+            call = _parse_call(body)
+            if call is not None:
+                return end, call
+            start = end + 1
+        return None
 
     def finish(self) -> str:
         """The text still held: an unfinished call or tag prefix is content, as written."""

@@ -25,6 +25,12 @@ import torch
 from torch import Tensor
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GRAPH_BACKENDS = ("flashinfer",)  # backends that plan into fixed buffers (`plan_graph`)
+
+
+def graph_max_pages(row_capacity: int, page_size: int) -> int:
+    """Pages the largest bucket's batch may reference (its requests' pages, plus padding)."""
+    return max(DECODE_BUCKETS) * (-(-row_capacity // page_size) + 1)
 
 
 def bucket_for(n: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> int | None:

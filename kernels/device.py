@@ -30,14 +30,20 @@ def choose_device(requested: str = "auto") -> tuple[str, str]:
     return requested, "set in the config"
 
 
-def choose_attention(requested: str, device: str) -> tuple[str, str]:
-    """The attention backend's name for `device`, and why."""
+def choose_attention(
+    requested: str, device: str, dtype: torch.dtype = torch.bfloat16
+) -> tuple[str, str]:
+    """The attention backend's name for `device` and the model's `dtype`, and why."""
     if requested == "auto":
         if device == "cpu":
             return "torch", "auto: the torch reference on the CPU"
+        if dtype == torch.float32:  # FlashInfer has no fp32 kernels
+            return "triton", "auto: float32 on CUDA, the Triton kernels"
         if importlib.util.find_spec("flashinfer") is not None:
             return "flashinfer", "auto: flashinfer is installed"
         return "triton", "auto: flashinfer is not installed; the Triton kernels"
     if requested in GPU_BACKENDS and device == "cpu":
         raise ValueError(f"model.attention = {requested} needs model.device = cuda (or auto)")
+    if requested == "flashinfer" and dtype == torch.float32:
+        raise ValueError("model.attention = flashinfer runs bf16/fp16 models; use triton for fp32")
     return requested, "set in the config"

@@ -48,15 +48,21 @@ def sample_rows(logits: Tensor, params: list, uniforms: list[float | None]) -> T
     if any(p.uses_top_k or p.uses_top_p for p in rows):
         threshold = torch.maximum(threshold, _truncation_cuts(weights, rows))
     weights = torch.where(weights >= threshold[:, None], weights, torch.zeros_like(weights))
+    # float32 cumsum as the CPU path (which accumulates sequentially in float64); on a GPU
+    # it is a parallel scan, so a refused token's CDF step may not be exactly flat: the
+    # guard below moves such a draw to the next kept token.
     cdf = torch.cumsum(weights, dim=-1)
     u = torch.tensor([uniforms[i] for i in sampled], dtype=torch.float64, device=device)
     targets = (u * cdf[:, -1].double()).to(torch.float32)[:, None]
     chosen = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-    # u * total can round up to the total itself: then the last token with weight.
     vocab = weights.shape[1]
-    last_kept = vocab - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)
+    kept = weights > 0
+    # u * total can round up to the total itself: then the last token with weight.
+    last_kept = vocab - 1 - kept.flip(-1).int().argmax(dim=-1)
     chosen = torch.where(chosen >= vocab, last_kept, chosen)
-    tokens[index] = chosen
+    at_or_after = kept & (torch.arange(vocab, device=device)[None, :] >= chosen[:, None])
+    next_kept = torch.where(at_or_after.any(dim=-1), at_or_after.int().argmax(dim=-1), last_kept)
+    tokens[index] = torch.where(kept.gather(1, chosen[:, None]).squeeze(1), chosen, next_kept)
     return tokens
 
 

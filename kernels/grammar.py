@@ -66,8 +66,14 @@ def choice_grammar(choices: list[str] | tuple[str, ...]) -> str:
 def _ebnf_literal(text: str) -> str:
     if not text:
         return '""'
-    # JSON string escapes (\" \\ \n \t \uXXXX) are what xgrammar's EBNF literals accept.
-    return json.dumps(text, ensure_ascii=True)
+    # JSON string escapes (\" \\ \n \t) are what xgrammar's EBNF literals accept; other
+    # characters stay literal (a \uXXXX escape of a surrogate pair would read as two lone
+    # surrogates).
+    return json.dumps(text, ensure_ascii=False)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_NOT_SCHEMAS = ("enum", "const", "examples", "default", "required")
 
 
 def refuse_ignored_keywords(schema: Any, where: str = "$") -> None:
@@ -89,7 +95,10 @@ def refuse_ignored_keywords(schema: Any, where: str = "$") -> None:
     if schema.get("uniqueItems") is True:
         raise GrammarError(f"json_schema: at {where}: uniqueItems is not supported")
     for key, value in schema.items():
-        if isinstance(value, dict | list) and key not in ("enum", "const", "examples", "default"):
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas
+            for name, sub in value.items():
+                refuse_ignored_keywords(sub, f"{where}.{key}.{name}")
+        elif isinstance(value, dict | list) and key not in _NOT_SCHEMAS:
             refuse_ignored_keywords(value, f"{where}.{key}")
 
 
@@ -119,7 +128,20 @@ class GrammarEngine:
         from transformers import PreTrainedTokenizerFast
 
         self._xgr = xgr
-        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+        if not stop_ids:
+            raise GrammarError("constrained output needs the model's end-of-sequence token")
+        # Special tokens (turn markers, <bos>, <pad>, image markers) must never match text:
+        # left out of the vocabulary xgrammar sees, they become its "special" tokens, which
+        # no grammar allows. The stop tokens stay: they end a finished grammar.
+        drop = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special} - set(
+            stop_ids
+        )
+
+        class WithoutSpecials(PreTrainedTokenizerFast):
+            def get_vocab(self) -> dict[str, int]:
+                return {t: i for t, i in super().get_vocab().items() if i not in drop}
+
+        hf = WithoutSpecials(tokenizer_object=tokenizer)
         self.info = xgr.TokenizerInfo.from_huggingface(
             hf, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
         )

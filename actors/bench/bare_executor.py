@@ -1,7 +1,8 @@
 """The model executor alone, for benchmarks that bypass the engine: `rows` requests, each
 owning a contiguous run of `capacity` slots (row r holds slots r * capacity + 1 ...; slot
 0 is the padding page), so no allocator is needed. The model's device is the KV's; on CUDA
-`attention` names the backend ("torch" elsewhere)."""
+`attention` names the backend ("torch" elsewhere) and `cuda_graphs` replays decode steps
+as the engine's runner does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ def bare_executor(
     lm_head=None,
     validate: bool = True,
     attention: str = "torch",
+    cuda_graphs: bool = False,
 ):
     import torch
 
@@ -38,7 +40,12 @@ def bare_executor(
         [capacity] * rows,
         torch.arange(1, rows * capacity + 1, dtype=torch.int32),
     )
+    from kernels.cuda_graphs import GRAPH_BACKENDS, graph_max_pages
+
     options = {} if attention == "torch" else {"device": device, "dtype": dtype}
+    graphs = cuda_graphs and device.type == "cuda" and attention in GRAPH_BACKENDS
+    if graphs:
+        options["graph_max_pages"] = graph_max_pages(capacity, 1)
     return ModelExecutor(
         config,
         model,
@@ -47,4 +54,5 @@ def bare_executor(
         table,
         lm_head=lm_head,
         validate=validate,
+        cuda_graphs=graphs,
     )

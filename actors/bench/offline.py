@@ -37,10 +37,17 @@ def prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     return out
 
 
-async def run_kvactor(cfg, batch: list[list[int]], new_tokens: int) -> dict:
+async def run_kvactor(
+    cfg, batch: list[list[int]], new_tokens: int, warmup: list[list[int]] | None = None
+) -> dict:
+    """`warmup`: prompts run first, untimed, a few tokens each (give ones of the batch's
+    shape but other tokens: the engine's decode graphs for that size are captured then,
+    and the timed prompts get no prefix-cache hits from them)."""
     params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     async with ServingEngine(cfg) as eng:
-        await eng.generate_batch([batch[0][:8]], GenerationParams(max_tokens=2, temperature=0))
+        await eng.generate_batch(
+            warmup or [batch[0][:8]], GenerationParams(max_tokens=3, temperature=0)
+        )
         t = time.perf_counter()
         results = await eng.generate_batch(batch, params)
         wall = time.perf_counter() - t
@@ -55,29 +62,54 @@ def run_bare(cfg, batch: list[list[int]], new_tokens: int) -> dict:
     from actors.bench.bare_executor import bare_executor
     from kernels.cpu import choose_dtype, choose_threads
     from kernels.device import choose_attention, choose_device
-    from kernels.forward_batch import ForwardBatch
     from kernels.models import load_model
     from kernels.sampling import Sampler
 
     device, _ = choose_device(cfg.model.device)
-    attention, _ = choose_attention(cfg.model.attention, device)
     dtype, _ = choose_dtype(cfg.model.dtype, device)
+    attention, _ = choose_attention(cfg.model.attention, device, dtype)
     threads, _ = choose_threads(cfg.model.threads, own_process=False)
     torch.set_num_threads(threads)
     config, model = load_model(cfg.model.path or None, dtype)
     model = model.to(device)
     rows = len(batch)
-    capacity = max(len(p) for p in batch) + new_tokens + 1
-    executor = bare_executor(config, model, rows, capacity, validate=False, attention=attention)
+    capacity = max(len(p) for p in batch) + max(new_tokens, 3) + 1
+    executor = bare_executor(
+        config,
+        model,
+        rows,
+        capacity,
+        validate=False,
+        attention=attention,
+        cuda_graphs=cfg.model.cuda_graphs,
+    )
     sampler = Sampler()
     params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for rid in range(rows):
         sampler.add_request(rid, params, [])
-    budget = cfg.scheduler.max_batch_tokens
-    chunk = cfg.scheduler.chunk_size
+    sch = cfg.scheduler
+    if device == "cuda":  # untimed: captures the decode graphs of this batch size
+        _bare_loop(executor, sampler, batch, sch.max_batch_tokens, sch.chunk_size, 3)
+    t = time.perf_counter()
+    produced = _bare_loop(
+        executor, sampler, batch, sch.max_batch_tokens, sch.chunk_size, new_tokens
+    )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    return {"wall_s": wall, "output_tokens": produced, "output_tok_s": produced / wall}
+
+
+def _bare_loop(
+    executor, sampler, batch: list[list[int]], budget: int, chunk: int, new_tokens: int
+) -> int:
+    """`new_tokens` for every prompt of `batch` (rows 0..n-1 of the executor): prefill under
+    the token budget, chunked like the engine, then decode them all; tokens produced."""
+    from kernels.forward_batch import ForwardBatch
+
+    rows = len(batch)
     last: list[int] = [0] * rows
     lens = [0] * rows
-    t = time.perf_counter()
     pending = list(range(rows))
     while pending:  # prefill under the token budget, chunked like the engine
         take, group, starts, ids, need = budget, [], [], [], []
@@ -110,10 +142,7 @@ def run_bare(cfg, batch: list[list[int]], new_tokens: int) -> dict:
             last[rid] = tok
             lens[rid] += 1
         produced += len(active)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t
-    return {"wall_s": wall, "output_tokens": produced, "output_tok_s": produced / wall}
+    return produced
 
 
 def run_hf(batch: list[list[int]], new_tokens: int, sizes: list[int], pad_id: int) -> dict:

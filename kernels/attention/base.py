@@ -53,6 +53,8 @@ class PagedKvLayout:
     kv_page_indptr: Tensor  # int32 [B + 1]
     kv_page_indices: Tensor  # int32 [num_pages_used]
     kv_last_page_len: Tensor  # int32 [B], in [1, page_size]
+    kv_page_indptr_host: np.ndarray  # int32, the same on the host (planners want it there)
+    kv_last_page_len_host: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -115,11 +117,14 @@ class AttentionMetadata:
         first_pos = firsts + np.arange(int(page_indptr[-1]), dtype=np.int64) * page
         device = self.kv_indices.device
         page_ids = self.kv_indices[torch.from_numpy(first_pos).to(device)] // page
-        last_len = self.seq_lens_host - (pages_per_req - 1) * page
+        last_len = (self.seq_lens_host - (pages_per_req - 1) * page).astype(np.int32)
+        indptr32 = page_indptr.astype(np.int32)
         return PagedKvLayout(
-            kv_page_indptr=torch.from_numpy(page_indptr.astype(np.int32)).to(device),
+            kv_page_indptr=torch.from_numpy(indptr32).to(device),
             kv_page_indices=page_ids.to(torch.int32),
-            kv_last_page_len=torch.from_numpy(last_len.astype(np.int32)).to(device),
+            kv_last_page_len=torch.from_numpy(last_len).to(device),
+            kv_page_indptr_host=indptr32,
+            kv_last_page_len_host=last_len,
         )
 
     @classmethod

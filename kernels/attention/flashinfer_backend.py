@@ -60,8 +60,8 @@ def flashinfer_layouts(meta: AttentionMetadata) -> dict[str, FlashInferLayout]:
     """{"full": ..., "sliding": ...} (sliding only for a model with a sliding window)."""
     paged = meta.paged_kv
     qo = torch.from_numpy(meta.qo_indptr_host.astype(np.int32))
-    indptr = paged.kv_page_indptr.cpu()
-    last = paged.kv_last_page_len.cpu()
+    indptr = torch.from_numpy(paged.kv_page_indptr_host)  # host copies: no device sync
+    last = torch.from_numpy(paged.kv_last_page_len_host)
     layouts = {"full": FlashInferLayout(qo, indptr, paged.kv_page_indices, last, window_left=-1)}
     if meta.shape.sliding_window is not None:
         pages = paged.kv_page_indices
@@ -99,7 +99,8 @@ class FlashInferBackend(AttentionBackend):
         if self.device.type != "cuda":
             raise RuntimeError(f"the flashinfer attention backend runs on CUDA, not {device}")
         self._flashinfer = flashinfer
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # zeroed: FlashInfer's decode wrapper wants its workspace zero at first use
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._workspace = workspace
         self.graph_max_pages = graph_max_pages
         self._graph_wrappers: dict[int, dict[str, object]] = {}  # bucket -> kind -> wrapper

@@ -87,6 +87,9 @@ def test_device_and_backend_choice_on_a_cpu_machine():
         with pytest.raises(ValueError, match="needs model.device = cuda"):
             choose_attention(name, "cpu")
     assert choose_attention("auto", "cuda")[0] in ("flashinfer", "triton")
+    assert choose_attention("auto", "cuda", torch.float32)[0] == "triton"  # no fp32 FlashInfer
+    with pytest.raises(ValueError, match="use triton for fp32"):
+        choose_attention("flashinfer", "cuda", torch.float32)
 
 
 @pytest.mark.model

@@ -35,7 +35,7 @@ from transport.messages.params import (
 )
 
 EOS = 1
-PIECES = ['{"', '": ', '", "', "true", "false", "null", "  "]
+PIECES = ['{"', '": ', '", "', "true", "false", "null", "  ", "😀"]
 
 
 def tiny_vocab() -> dict[str, int]:
@@ -83,7 +83,7 @@ def test_regex_choice_and_grammar_outputs_match(engine):
     for seed in range(20):
         text, ended = generate(engine, OutputConstraint(kind="regex", spec=pattern), seed)
         assert ended and re.fullmatch(pattern, text), text
-    choices = ["red", "green", 'say "hi"', "a\nb"]
+    choices = ["red", "green", 'say "hi"', "a\nb", "😀 ok"]
     for seed in range(20):
         text, ended = generate(engine, OutputConstraint(kind="choice", choices=choices), seed)
         assert ended and text in choices, text
@@ -320,3 +320,47 @@ def test_the_grammar_benchmark_runs_on_a_tiny_workload():
     for r in result["per_step"]:
         assert r["allowed_per_row"] > 0 and r["sampler_constrained_ms"] > 0
     json.dumps(result)  # what --json writes
+
+
+def test_property_names_are_not_read_as_keywords(engine):
+    schema = {
+        "type": "object",
+        "properties": {
+            "pattern": {"type": "string", "maxLength": 3},
+            "maxLength": {"type": "integer"},
+            "multipleOf": {"type": "number"},
+        },
+        "required": ["pattern"],
+    }
+    engine.compile("json_schema", json.dumps(schema))  # no keyword is misread
+
+
+@pytest.mark.model
+def test_special_tokens_never_match_text():
+    """Gemma's special tokens (turn markers, BOS, pad) are refused inside a JSON string (the
+    detokenizer would drop them, so the text would not be what the grammar matched); EOS
+    still ends a finished grammar."""
+    from kernels.tokenizer_loader import load_tokenizer
+
+    bundle = load_tokenizer(None)
+    engine = GrammarEngine(bundle.tokenizer, bundle.vocab_size, bundle.eos_ids)
+    schema = '{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}'
+    matcher = engine.matcher(engine.compile("json_schema", schema))
+    for t in bundle.encode('{"a": "hel', add_special_tokens=False):
+        assert matcher.accept(t)
+    bitmask = engine.bitmask(1)
+    matcher.fill(bitmask, 0)
+    words = bitmask[0].numpy().view(np.uint32)
+
+    def allowed(t: int) -> bool:
+        return bool((int(words[t // 32]) >> (t % 32)) & 1)
+
+    tok = bundle.tokenizer
+    for name in ("<start_of_turn>", "<end_of_turn>", "<bos>", "<pad>"):
+        assert not allowed(tok.token_to_id(name)), name
+    assert allowed(bundle.encode("lo", add_special_tokens=False)[0])
+    for t in bundle.encode('lo"}', add_special_tokens=False):
+        assert matcher.accept(t)
+    matcher.fill(bitmask, 0)
+    words = bitmask[0].numpy().view(np.uint32)
+    assert all(allowed(t) for t in bundle.eos_ids)

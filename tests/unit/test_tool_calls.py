@@ -75,6 +75,16 @@ def stream_pieces(text: str, size: int) -> tuple[str, list]:
             "<tool_call>\nnot json\n</tool_call> after",
             [],
         ),
+        (
+            format_call("w", {"text": "ends with </tool_call> here"}),
+            None,
+            [("w", {"text": "ends with </tool_call> here"})],
+        ),
+        (
+            "<tool_call>x</tool_call> then " + format_call("f", {}),
+            "<tool_call>x</tool_call> then",
+            [("f", {})],
+        ),
         ('cut short <tool_call>\n{"name": "get_ti', 'cut short <tool_call>\n{"name": "get_ti', []),
         ("a < b and <tool_ is not a tag", "a < b and <tool_ is not a tag", []),
         (
