@@ -18,7 +18,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from actors.tool_calls import Tool, parse_tool_calls, tool_constraint
+from actors.tool_calls import parse_tool_calls, tool_constraint
 from kernels.grammar import (
     GrammarEngine,
     GrammarError,
@@ -27,6 +27,7 @@ from kernels.grammar import (
     constraint_key,
 )
 from kernels.sampling import Sampler
+from tests.unit.tool_specs import TIME, WEATHER
 from transport.messages.params import (
     GenerationParams,
     InvalidParams,
@@ -234,27 +235,6 @@ def test_a_constraint_cannot_ignore_eos():
 
 # ---- tool calls ------------------------------------------------------------------------------
 
-WEATHER = Tool(
-    name="get_weather",
-    parameters={
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "enum": ["Paris", "Oslo"]},
-            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        },
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    },
-)
-TIME = Tool(
-    name="get_time",
-    parameters={
-        "type": "object",
-        "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
-)
 TOOLS = {t.name: t for t in (WEATHER, TIME)}
 
 

@@ -10,7 +10,6 @@ import pytest
 
 from actors.tool_calls import (
     TOOLS_PREAMBLE,
-    Tool,
     ToolCallParser,
     ToolSpecError,
     format_call,
@@ -20,29 +19,7 @@ from actors.tool_calls import (
     template_knows_tools,
     tool_constraint,
 )
-
-WEATHER = Tool(
-    name="get_weather",
-    description="Weather in a city",
-    parameters={
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "enum": ["Paris", "Oslo"]},
-            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        },
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    },
-)
-TIME = Tool(
-    name="get_time",
-    parameters={
-        "type": "object",
-        "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
-)
+from tests.unit.tool_specs import TIME, WEATHER
 
 
 def stream_pieces(text: str, size: int) -> tuple[str, list]:

@@ -612,30 +612,31 @@ class ChatRenderer:
         )
 
     def final(self, states: list[ChoiceState], usage: Usage) -> ChatCompletion:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=self._message(s),
-                logprobs=chat_logprobs(s.logprobs) if self.want_logprobs else None,
-                finish_reason=self._finish(s),
-                stop_reason=s.stop_reason,
+        choices = []
+        for i, s in enumerate(states):
+            message, finish = self._message_and_finish(s)
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=chat_logprobs(s.logprobs) if self.want_logprobs else None,
+                    finish_reason=finish,
+                    stop_reason=s.stop_reason,
+                )
             )
-            for i, s in enumerate(states)
-        ]
         return ChatCompletion(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def _message(self, state: ChoiceState) -> ChatMessageOut:
+    def _message_and_finish(self, state: ChoiceState) -> tuple[ChatMessageOut, str | None]:
+        """The choice's message (its tool calls parsed out, with tools) and finish reason:
+        "tool_calls" for one that stopped after making calls."""
         if not self.parse_tools:
-            return ChatMessageOut(content=state.text)
+            return ChatMessageOut(content=state.text), state.finish_reason
         content, calls = parse_tool_calls(state.text)
-        return ChatMessageOut(content=content, tool_calls=[_call_out(c) for c in calls] or None)
-
-    def _finish(self, state: ChoiceState) -> str | None:
-        if self.parse_tools and state.finish_reason == "stop" and parse_tool_calls(state.text)[1]:
-            return "tool_calls"
-        return state.finish_reason
+        message = ChatMessageOut(content=content, tool_calls=[_call_out(c) for c in calls] or None)
+        finish = "tool_calls" if calls and state.finish_reason == "stop" else state.finish_reason
+        return message, finish
 
 
 def _call_out(call: ToolCall) -> ToolCallOut:
