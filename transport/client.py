@@ -41,7 +41,7 @@ from transport.messages.client import (
 )
 from transport.messages.engine import ChatMessage, GenerationParams, TokenLogprob
 
-DEFAULT_FRAME_TIMEOUT_S = 600.0  # longest wait for the next frame of a request
+DEFAULT_FRAME_TIMEOUT_S = 600.0  # longest wait to send a frame, or for a request's next one
 HEARTBEAT_IVL_MS = 1000  # ZeroMQ heartbeats of the connection (both ends send them)
 HEARTBEAT_TIMEOUT_MS = 5000
 
@@ -248,9 +248,11 @@ class KvactorClient:
         send, recv = anyio.create_memory_object_stream[Frame](math.inf)
         self._streams[rid] = send
         try:
-            await self._send(ClientSession(request_id=rid, op=op, api_key=self.api_key, **fields))
             async with recv:
                 with anyio.fail_after(self.frame_timeout_s):
+                    await self._send(
+                        ClientSession(request_id=rid, op=op, api_key=self.api_key, **fields)
+                    )
                     try:
                         frame = await recv.receive()
                     except anyio.EndOfStream:
@@ -278,7 +280,9 @@ class KvactorClient:
         self._streams[rid] = send
         finished = False
         try:
-            await self._send(submit)
+            # The send waits too (a DEALER with no live peer has no pipe to write to).
+            with anyio.fail_after(self.frame_timeout_s):
+                await self._send(submit)
             async with recv:
                 while True:
                     with anyio.fail_after(self.frame_timeout_s):
