@@ -43,9 +43,11 @@ class ModelRunnerActor(Actor):
         swa_num_pages: int = 0,
         device: str = "auto",
         cuda_graphs: bool = True,
+        linear: str = "auto",
     ) -> None:
         from kernels.cpu import choose_dtype, choose_threads
         from kernels.device import choose_attention, choose_device
+        from kernels.linear import choose_linear_backend
 
         if quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {quantization!r}")
@@ -57,6 +59,7 @@ class ModelRunnerActor(Actor):
         self.attention_name, self.attention_reason = choose_attention(
             attention, self.device, self.dtype
         )
+        self.linear = choose_linear_backend(linear, torch.device(self.device), self.dtype)
         if quantization != "none" and self.device != "cpu":
             raise ValueError(f"quantization = {quantization} is a CPU path; use none on CUDA")
         self.threads, self.threads_reason = choose_threads(threads, own_process)
@@ -88,6 +91,7 @@ class ModelRunnerActor(Actor):
             device_reason=self.device_reason,
             attention=self.attention_name,
             attention_reason=self.attention_reason,
+            linear=self.linear,
             cuda_graphs=self.cuda_graphs,
             dtype=str(self.dtype).removeprefix("torch."),
             dtype_reason=self.dtype_reason,
@@ -143,6 +147,7 @@ class ModelRunnerActor(Actor):
             lm_head=lm_head,
             validate=False,
             cuda_graphs=self.cuda_graphs,
+            linear=self.linear,
         )
         self.sampler = Sampler()
         if self.own_process:

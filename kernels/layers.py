@@ -62,17 +62,18 @@ def activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), the MLP of Llama, Qwen and Gemma."""
+    """down(act(gate(x)) * up(x)), the MLP of Llama, Qwen and Gemma; gate and up are one
+    stacked product (`gate_up_proj`)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = activation(act)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 def rope_inv_freq(spec: RopeSpec, head_dim: int) -> Tensor:

@@ -22,7 +22,8 @@ from kernels.lm_head import LmHead
 
 
 class ModelExecutor:
-    """Owns nothing but references: the model, the KV cache, the table and the backend."""
+    """Holds references to the model, the KV cache, the table and the backend; on the CPU
+    it packs the model's decoder linears for oneDNN once (`linear`, kernels/linear.py)."""
 
     def __init__(
         self,
@@ -34,7 +35,10 @@ class ModelExecutor:
         lm_head: LmHead | None = None,
         validate: bool = True,
         cuda_graphs: bool = False,
+        linear: str = "auto",
     ) -> None:
+        from kernels.linear import choose_linear_backend, pack_linears
+
         self.config = config
         self.model = model
         self.kv_cache = kv_cache
@@ -44,6 +48,11 @@ class ModelExecutor:
         self.dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
         self.lm_head = lm_head or LmHead(model.lm_head_weight, config.final_logit_softcap)
+        # The decoder's linears, packed in place for oneDNN once (a model packed by an
+        # earlier executor has no plain nn.Linear left to pack).
+        self.linear = choose_linear_backend(linear, self.device, self.dtype)
+        if self.linear == "onednn":
+            pack_linears(model.layers)
         self.shape = AttentionShape(
             num_q_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads,

@@ -28,7 +28,7 @@ def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
 class Int8Linear(nn.Module):
     """`nn.Linear` (no bias or with one) over an int8 per-channel weight."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Module) -> None:  # nn.Linear or kernels.linear.OneDnnLinear
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -48,10 +48,13 @@ class Int8Linear(nn.Module):
 
 
 def quantize_linears(module: nn.Module) -> int:
-    """Replace every `nn.Linear` inside `module` by an `Int8Linear`; returns how many."""
+    """Replace every `nn.Linear` (plain or oneDNN-packed) inside `module` by an
+    `Int8Linear`; returns how many."""
+    from kernels.linear import OneDnnLinear
+
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
+        if isinstance(child, (nn.Linear, OneDnnLinear)):
             module.add_module(name, Int8Linear(child))  # replaces the submodule of that name
             count += 1
         else:

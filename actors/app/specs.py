@@ -70,6 +70,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 device=mdl.device,
                 cuda_graphs=mdl.cuda_graphs,
                 attention=mdl.attention,
+                linear=mdl.linear,
                 threads=mdl.threads,
                 own_process=runner_has_own_process(cfg),
                 quantization=mdl.quantization,

@@ -141,6 +141,8 @@ def batch1_bandwidth(cfg, prompt: list[int], steps: int, device: str) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     config, model = load_model(None, dtype)
     model = model.to(device)
+    elsize = torch.finfo(dtype).bits // 8
+    weights = sum(p.numel() for p in model.parameters()) * elsize  # before any packing
     attention, _ = choose_attention(cfg.model.attention, device, dtype)
     executor = bare_executor(
         config,
@@ -163,8 +165,6 @@ def batch1_bandwidth(cfg, prompt: list[int], steps: int, device: str) -> dict:
         token, length = int(logits[0].argmax()), length + 1
     sync(device)
     step_s = (time.perf_counter() - t) / steps
-    elsize = torch.finfo(dtype).bits // 8
-    weights = sum(p.numel() for p in model.parameters()) * elsize
     kv_read = (length - steps // 2) * config.num_layers * 2 * config.num_kv_heads
     kv_read *= config.head_dim * elsize
     bytes_per_step = weights + kv_read

@@ -25,10 +25,14 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def build_model(config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype) -> nn.Module:
-    """Instantiate the module for `config.arch` and bind `weights` (cast to `dtype`)."""
+    """Instantiate the module for `config.arch` and bind `weights` (checkpoint names, cast
+    to `dtype`; q/k/v and gate/up are stacked on the way)."""
+    from kernels.linear import stack_projections
+
     with torch.device("meta"):
         model = MODEL_CLASSES[config.arch](config)
     state = {name: t if t.dtype == dtype else t.to(dtype) for name, t in weights.items()}
+    state = stack_projections(state)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:

@@ -4,7 +4,8 @@ Per layer: input norm -> q/k/v projections -> per-head q/k RMSNorm -> RoPE (base
 sliding layers, 1M on global ones) -> attention (sliding window on 5 of every 6 layers) ->
 o_proj -> post-attention norm -> residual; then pre-FFN norm -> GELU-tanh gated MLP ->
 post-FFN norm -> residual. Embeddings are scaled by sqrt(hidden) (rounded to the weight
-dtype, as HF does); all norms scale by (1 + w). Parameter names match HF's minus "model.".
+dtype, as HF does); all norms scale by (1 + w). Parameter names are HF's minus "model.",
+with q/k/v and gate/up stacked (`qkv_proj`, `gate_up_proj`: kernels/linear.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ class Gemma3Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden, config.q_size, bias=bias)
-        self.k_proj = nn.Linear(config.hidden, config.kv_size, bias=bias)
-        self.v_proj = nn.Linear(config.hidden, config.kv_size, bias=bias)
+        self.split = (config.q_size, config.kv_size, config.kv_size)
+        self.qkv_proj = nn.Linear(config.hidden, sum(self.split), bias=bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden, bias=bias)
         self.q_norm = GemmaRMSNorm(config.head_dim, config.norm_eps)
         self.k_norm = GemmaRMSNorm(config.head_dim, config.norm_eps)
@@ -35,9 +35,10 @@ class Gemma3Attention(nn.Module):
         self, x: Tensor, ctx: ForwardContext, layer_id: int, layer_type: str, is_sliding: bool
     ) -> Tensor:
         tokens = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         cos, sin = ctx.rope[layer_type]
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)

@@ -5,7 +5,8 @@ The three differ only in switches read from the config:
   * Qwen3: RMSNorm over head_dim on q and k before RoPE (`qk_norm`);
   * Llama: neither (optionally llama3/linear RoPE scaling, handled by the RopeSpec).
 Pre-norm residual blocks with a SiLU gated MLP; norms multiply by w (not 1 + w).
-Parameter names match HF's minus the leading "model.".
+Parameter names are HF's minus the leading "model.", with q/k/v and gate/up stacked
+(`qkv_proj`, `gate_up_proj`: kernels/linear.py).
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ class LlamaAttention(nn.Module):
         qkv_bias = config.attention_bias
         # Qwen2 always biases q/k/v and never o_proj; Llama/Qwen3's attention_bias covers all four.
         o_bias = config.attention_bias and config.arch != "qwen2"
-        self.q_proj = nn.Linear(config.hidden, config.q_size, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.hidden, config.kv_size, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.hidden, config.kv_size, bias=qkv_bias)
+        self.split = (config.q_size, config.kv_size, config.kv_size)
+        self.qkv_proj = nn.Linear(config.hidden, sum(self.split), bias=qkv_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden, bias=o_bias)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
@@ -39,9 +39,10 @@ class LlamaAttention(nn.Module):
         self, x: Tensor, ctx: ForwardContext, layer_id: int, layer_type: str, is_sliding: bool
     ) -> Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)

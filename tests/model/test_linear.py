@@ -1,0 +1,126 @@
+"""kernels/linear.py: stacked projections and oneDNN-packed linears against F.linear."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.cpu import bf16_matmul_supported
+from kernels.linear import (
+    OneDnnLinear,
+    choose_linear_backend,
+    onednn_linear_works,
+    pack_linears,
+    stack_projections,
+)
+from kernels.quant import Int8Linear, quantize_linears
+
+needs_onednn = pytest.mark.skipif(
+    not onednn_linear_works(torch.float32), reason="oneDNN does not run fp32 linears here"
+)
+
+
+def test_stack_projections_stacks_in_order_and_passes_the_rest_through():
+    t = {n: torch.full((2, 3), float(i)) for i, n in enumerate(["q", "k", "v", "g", "u"])}
+    weights = {
+        "layers.0.self_attn.q_proj.weight": t["q"],
+        "layers.0.self_attn.k_proj.weight": t["k"],
+        "layers.0.self_attn.v_proj.weight": t["v"],
+        "layers.0.self_attn.q_proj.bias": torch.tensor([1.0, 2.0]),
+        "layers.0.self_attn.k_proj.bias": torch.tensor([3.0]),
+        "layers.0.self_attn.v_proj.bias": torch.tensor([4.0]),
+        "layers.0.mlp.gate_proj.weight": t["g"],
+        "layers.0.mlp.up_proj.weight": t["u"],
+        "layers.0.mlp.down_proj.weight": torch.ones(3, 2),
+        "norm.weight": torch.ones(3),
+    }
+    out = stack_projections(weights)
+    assert sorted(out) == [
+        "layers.0.mlp.down_proj.weight",
+        "layers.0.mlp.gate_up_proj.weight",
+        "layers.0.self_attn.qkv_proj.bias",
+        "layers.0.self_attn.qkv_proj.weight",
+        "norm.weight",
+    ]
+    assert torch.equal(
+        out["layers.0.self_attn.qkv_proj.weight"][:, 0],
+        torch.tensor([0.0] * 2 + [1.0] * 2 + [2.0] * 2),
+    )
+    assert out["layers.0.self_attn.qkv_proj.bias"].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert out["layers.0.mlp.gate_up_proj.weight"][:, 0].tolist() == [3.0, 3.0, 4.0, 4.0]
+    assert "layers.0.self_attn.q_proj.weight" in weights  # the input is not modified
+
+
+def test_stack_projections_names_a_missing_part():
+    weights = {
+        "layers.0.self_attn.q_proj.weight": torch.ones(2, 2),
+        "layers.0.self_attn.k_proj.weight": torch.ones(1, 2),
+    }
+    with pytest.raises(ValueError, match="v_proj.weight"):
+        stack_projections(weights)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_f_linear(dtype, bias):
+    if dtype == torch.bfloat16 and not (bf16_matmul_supported() and onednn_linear_works(dtype)):
+        pytest.skip("oneDNN does not run bf16 on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(640, 1536, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(1536, 640, generator=gen) / 25)
+        if bias:
+            linear.bias.copy_(torch.randn(1536, generator=gen))
+    linear = linear.to(dtype)
+    packed = OneDnnLinear(linear)
+    assert torch.equal(packed.weight, linear.weight)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for shape in [(1, 640), (7, 640), (2, 3, 640), (0, 640)]:
+        x = torch.randn(*shape, generator=gen).to(dtype)
+        want = F.linear(x, linear.weight, linear.bias)
+        got = packed(x)
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    # A strided view (a slice of a wider activation) multiplies the same.
+    wide = torch.randn(4, 1280, generator=gen).to(dtype)
+    torch.testing.assert_close(
+        packed(wide[:, :640]).float(),
+        F.linear(wide[:, :640], linear.weight, linear.bias).float(),
+        **tol,
+    )
+
+
+@needs_onednn
+def test_packing_replaces_plain_linears_only_and_survives_deepcopy_and_quantization():
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4, bias=False)))
+    model[2].add_module("1", Int8Linear(nn.Linear(4, 4)))
+    x = torch.randn(5, 16)
+    want = model(x)
+    assert pack_linears(model) == 2
+    assert isinstance(model[0], OneDnnLinear) and isinstance(model[2][0], OneDnnLinear)
+    assert isinstance(model[2][1], Int8Linear)
+    assert pack_linears(model) == 0  # nothing plain is left
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    clone = copy.deepcopy(model)
+    assert clone[0].packed is not model[0].packed
+    torch.testing.assert_close(clone(x), want, rtol=1e-5, atol=1e-5)
+    assert quantize_linears(clone) == 2  # packed linears quantize from their plain weight
+    assert isinstance(clone[0], Int8Linear)
+    assert (clone(x) - want).norm() / want.norm() < 2e-2
+
+
+def test_choose_linear_backend():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_linear_backend("aten", cpu, torch.float32) == "aten"
+    expected = "onednn" if onednn_linear_works(torch.float32) else "aten"
+    assert choose_linear_backend("auto", cpu, torch.float32) == expected
+    assert choose_linear_backend("auto", cuda, torch.bfloat16) == "aten"
+    with pytest.raises(ValueError, match="CPU path"):
+        choose_linear_backend("onednn", cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="linear backend must be one of"):
+        choose_linear_backend("mkl", cpu, torch.float32)
