@@ -16,6 +16,7 @@ def bare_executor(
     validate: bool = True,
     attention: str = "torch",
     cuda_graphs: bool = False,
+    linear: str = "auto",
 ):
     import torch
 
@@ -55,4 +56,5 @@ def bare_executor(
         lm_head=lm_head,
         validate=validate,
         cuda_graphs=graphs,
+        linear=linear,
     )
