@@ -43,7 +43,7 @@ class ModelRunnerActor(Actor):
         swa_num_pages: int = 0,
         device: str = "auto",
         cuda_graphs: bool = True,
-        linear: str = "auto",
+        linear: str = "aten",
     ) -> None:
         from kernels.cpu import choose_dtype, choose_threads
         from kernels.device import choose_attention, choose_device

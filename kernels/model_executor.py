@@ -23,7 +23,7 @@ from kernels.lm_head import LmHead
 
 class ModelExecutor:
     """Holds references to the model, the KV cache, the table and the backend; on the CPU
-    it packs the model's decoder linears for oneDNN once (`linear`, kernels/linear.py)."""
+    it packs the model's decoder linears for oneDNN when asked (`linear`, kernels/linear.py)."""
 
     def __init__(
         self,
@@ -35,7 +35,7 @@ class ModelExecutor:
         lm_head: LmHead | None = None,
         validate: bool = True,
         cuda_graphs: bool = False,
-        linear: str = "auto",
+        linear: str = "aten",
     ) -> None:
         from kernels.linear import choose_linear_backend, pack_linears
 
@@ -48,8 +48,8 @@ class ModelExecutor:
         self.dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
         self.lm_head = lm_head or LmHead(model.lm_head_weight, config.final_logit_softcap)
-        # The decoder's linears, packed in place for oneDNN once (a model packed by an
-        # earlier executor has no plain nn.Linear left to pack).
+        # linear="onednn": the decoder's linears are packed in place once (a model packed by
+        # an earlier executor has no plain nn.Linear left to pack).
         self.linear = choose_linear_backend(linear, self.device, self.dtype)
         if self.linear == "onednn":
             pack_linears(model.layers)

@@ -41,9 +41,9 @@ class ModelSection(_Section):
     attention: Literal["auto", "torch", "flashinfer", "triton"] = "auto"
     # decode steps as CUDA graphs per batch-size bucket (CUDA + flashinfer only)
     cuda_graphs: bool = True
-    # decoder linears on the CPU: auto = oneDNN-packed weights where oneDNN runs the dtype
-    # (kernels/linear.py), aten = F.linear on plain weights
-    linear: Literal["auto", "aten", "onednn"] = "auto"
+    # decoder linears: aten = F.linear; onednn = oneDNN-packed weights, CPU only, opt-in
+    # (faster in a bare loop, slower in the engine so far: kernels/linear.py)
+    linear: Literal["aten", "onednn"] = "aten"
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
     quantization: Literal["none", "int8"] = "none"  # int8: weight-only, kernels/quant.py
     # generation defaults: "auto" = the model folder's generation_config.json (if any),

@@ -16,7 +16,7 @@ def bare_executor(
     validate: bool = True,
     attention: str = "torch",
     cuda_graphs: bool = False,
-    linear: str = "auto",
+    linear: str = "aten",
 ):
     import torch
 
