@@ -22,6 +22,8 @@ not found yet. The stacked projections help either way.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import Tensor, nn
 
@@ -84,28 +86,19 @@ class OneDnnLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+@cache
 def onednn_linear_works(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs and multiplies `dtype` weights on this CPU (probed once)."""
-    return _probe(dtype)
-
-
-_PROBED: dict[torch.dtype, bool] = {}
-
-
-def _probe(dtype: torch.dtype) -> bool:
-    if dtype not in _PROBED:
-        try:
-            ok = torch.backends.mkldnn.is_available()
-            if ok:
-                linear = nn.Linear(16, 8, bias=True).to(dtype)
-                x = torch.randn(3, 16).to(dtype)
-                got = OneDnnLinear(linear)(x)
-                want = nn.functional.linear(x, linear.weight, linear.bias)
-                ok = bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
-        except (RuntimeError, AttributeError):
-            ok = False
-        _PROBED[dtype] = ok
-    return _PROBED[dtype]
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        linear = nn.Linear(16, 8, bias=True).to(dtype)
+        x = torch.randn(3, 16).to(dtype)
+        got = OneDnnLinear(linear)(x)
+        want = nn.functional.linear(x, linear.weight, linear.bias)
+    except (RuntimeError, AttributeError):
+        return False
+    return bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
 
 
 def choose_linear_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
