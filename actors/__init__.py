@@ -1,13 +1,19 @@
 """kvactor's actors, the microkernel that runs them, and the application built from them.
 
-Every engine process imports this package before torch, so this is where the process-wide
-settings torch reads at load time are made: oneDNN's (and PyTorch's ideep) primitive caches
-are bounded, as they otherwise keep one compiled primitive per distinct matmul shape (every
-prefill length and batch size a server meets, up to 1024 of them), and the runner's memory
-grows for hours under a mixed load. An explicit setting in the environment wins.
+Every engine process imports this package before torch and before it starts a thread, so
+this is where the process-wide settings are made:
+- oneDNN's (and PyTorch's ideep) primitive caches are bounded, as they otherwise keep one
+  compiled primitive per distinct matmul shape (every prefill length and batch size a
+  server meets, up to 1024 of them), and the runner's memory grows for hours under a mixed
+  load. An explicit setting in the environment wins.
+- glibc malloc keeps freed large blocks (`kernels.host_memory`), so the tensors a step
+  allocates afresh every time (the logits above all) stop page-faulting on every step.
 """
 
 import os
 
+from kernels.host_memory import keep_freed_memory
+
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+keep_freed_memory()

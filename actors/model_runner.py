@@ -22,6 +22,7 @@ import torch
 
 from actors.runtime import Actor
 from kernels.cuda_graphs import GRAPH_BACKENDS, graph_max_pages
+from kernels.host_memory import keep_freed_memory
 from transport.messages.runner import ForwardBatchMsg, StepResultMsg
 
 
@@ -97,6 +98,7 @@ class ModelRunnerActor(Actor):
             dtype_reason=self.dtype_reason,
             threads=self.threads,
             threads_reason=self.threads_reason,
+            host_memory=keep_freed_memory()[1],
         )
         await self._on_worker(self._load)
 
