@@ -118,8 +118,14 @@ class ModelRunnerActor(Actor):
         lm_head = None
         if self.quantization == "int8":
             from kernels.lm_head import LmHead
-            from kernels.quant import quantize_linears
+            from kernels.quant import int8_pays_off, quantize_linears, time_int8_and_exact
 
+            # Timed on the model's widest decoder product (the stacked gate/up projection).
+            timings = time_int8_and_exact(config.hidden, 2 * config.intermediate, self.dtype)
+            pays, why = int8_pays_off(*timings, self.dtype)
+            self.log.info("int8 quantization check", pays_off=pays, reason=why)
+            if not pays:
+                raise ValueError(why)
             quantize_linears(model.layers)  # the LM head is the executor's, below
             lm_head = LmHead(model.lm_head_weight, config.final_logit_softcap, backend="int8")
         kv = KVCache(

@@ -9,11 +9,20 @@ float). The input embedding keeps its full-precision table (a lookup reads one r
 
 The default stays the exact path: `bin/engine bench quality` reports how far this mode's
 greedy outputs and perplexity move from fp32.
+
+The mode only pays where torch's int8 kernel is fast for the activation dtype: with bf16
+activations on a CPU with native bf16 it beats the bf16 product; with float32 activations
+it was measured about 5x slower than the float32 product (8 x 640 x 2048). So the runner
+times both on the model's own shape before it quantizes (`int8_pays_off`) and refuses the
+mode, with the two timings, where int8 is not the faster one.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -70,3 +79,40 @@ def int8_supported() -> bool:
     except (RuntimeError, AttributeError):
         return False
     return True
+
+
+def time_int8_and_exact(
+    in_features: int, out_features: int, dtype: torch.dtype, rows: int = 1, repeats: int = 7
+) -> tuple[float, float]:
+    """Best-of-`repeats` seconds of one [rows, in] x [out, in] product: (int8, exact `dtype`)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    q, scales = quantize_rows(weight)
+    scales = scales.to(dtype)
+
+    def best(fn) -> float:
+        fn()  # warm-up: kernel selection, first-touch of the output
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+        return min(seconds)
+
+    return (
+        best(lambda: torch._weight_int8pack_mm(x, q, scales)),
+        best(lambda: F.linear(x, weight)),
+    )
+
+
+def int8_pays_off(int8_s: float, exact_s: float, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether int8 weights beat the exact `dtype` product, with the figures as the reason."""
+    name = str(dtype).removeprefix("torch.")
+    figures = f"int8 {int8_s * 1e6:.0f} us vs {name} {exact_s * 1e6:.0f} us per batch-1 product"
+    if int8_s < exact_s:
+        return True, f"int8 weights are faster here ({figures})"
+    return False, (
+        f"int8 weights are slower than the exact {name} path on this CPU ({figures}); "
+        'use model.quantization = "none"'
+    )
