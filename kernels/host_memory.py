@@ -7,12 +7,14 @@ too. A CPU decode step allocates the same large tensors every time (the [batch, 
 float32 logits are 32 MiB at batch 32 for a 262k vocabulary), so each step paid one page
 fault per 4 KiB page of them: 8,193 faults, about as long as the whole LM-head widening.
 
-`keep_freed_memory()` raises the mmap and trim thresholds (so large blocks come from the
-heap and stay there once freed) and keeps every thread on the main arena (a thread's own
+`keep_freed_memory()` raises the mmap threshold to 256 MiB (so a step's large blocks come
+from the heap and are reused once freed) and the trim threshold to 512 MiB (a step's blocks
+never free that much at once, so steady serving keeps them; freeing a whole model does, and
+that goes back to the kernel), and keeps every thread on the main arena (a thread's own
 arena grows in 64 MiB heaps, which cannot hold a larger block, so those would still be
-mapped per call). The price: the process's resident size stays at its peak instead of
-shrinking between bursts, as with tcmalloc or jemalloc, which CPU inference servers
-commonly preload for the same reason.
+mapped per call). Blocks over 256 MiB (a vocabulary-sized embedding, say) are still mapped
+and unmapped by themselves. The price: up to 512 MiB of freed heap stays resident, as with
+tcmalloc or jemalloc, which CPU inference servers commonly preload for the same reason.
 
 It is process-wide, idempotent, and a no-op (with the reason) where malloc is not glibc's.
 Call it before the threads that compute are started: a thread keeps the arena it first got.
@@ -29,8 +31,8 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
-MMAP_THRESHOLD = 1 << 30  # blocks up to 1 GiB come from the heap
-TRIM_THRESHOLD = (1 << 31) - 1  # never give the heap's free top back (largest int)
+MMAP_THRESHOLD = 256 << 20  # blocks up to 256 MiB come from the heap
+TRIM_THRESHOLD = 512 << 20  # the heap's free top goes back to the kernel beyond 512 MiB
 
 _lock = threading.Lock()
 _outcome: tuple[bool, str] | None = None
