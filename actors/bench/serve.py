@@ -58,6 +58,8 @@ class Outcome:
     output_tokens: int = 0
     cached_tokens: int = 0
     text: str = ""
+    responded: bool = False  # the server sent a status line
+    retries: int = 0  # sends repeated after a stale keep-alive connection (at most 1)
 
 
 # ---- datasets -----------------------------------------------------------------------------
@@ -145,36 +147,57 @@ async def run_request(
         path = "/v1/completions"
         body["prompt"] = req.prompt
     out = Outcome(ok=False, start=time.perf_counter())
+    for attempt in (1, 2):
+        try:
+            return await _stream_once(client, path, body, headers, out)
+        except httpx.RemoteProtocolError as exc:
+            # A pooled keep-alive connection the server had already closed (cpp-httplib,
+            # llama-server's, closes one after 5 requests): the request never reached it, so
+            # it is sent once more on a fresh connection, as HTTP clients do.
+            if out.responded or attempt == 2:
+                out.error = f"{type(exc).__name__}: {exc}"
+                return out
+            out.retries += 1
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            out.error = f"{type(exc).__name__}: {exc}"
+            return out
+    return out
+
+
+async def _stream_once(
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    out: Outcome,
+) -> Outcome:
     last = out.start
     parts: list[str] = []
-    try:
-        async with client.stream("POST", path, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
-                return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter()
-                for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                    if piece:
-                        if not parts:
-                            out.ttft = now - out.start
-                        else:
-                            out.itl.append(now - last)
-                        last = now
-                        parts.append(piece)
-                usage = chunk.get("usage")
-                if usage:
-                    out.prompt_tokens = usage.get("prompt_tokens", 0)
-                    out.output_tokens = usage.get("completion_tokens", 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    out.cached_tokens = details.get("cached_tokens") or 0
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-        return out
+    async with client.stream("POST", path, json=body, headers=headers) as resp:
+        out.responded = True
+        if resp.status_code != 200:
+            out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+            return out
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                if piece:
+                    if not parts:
+                        out.ttft = now - out.start
+                    else:
+                        out.itl.append(now - last)
+                    last = now
+                    parts.append(piece)
+            usage = chunk.get("usage")
+            if usage:
+                out.prompt_tokens = usage.get("prompt_tokens", 0)
+                out.output_tokens = usage.get("completion_tokens", 0)
+                details = usage.get("prompt_tokens_details") or {}
+                out.cached_tokens = details.get("cached_tokens") or 0
     out.e2e = time.perf_counter() - out.start
     out.text = "".join(parts)
     out.ok = True
@@ -256,6 +279,7 @@ def summarize(outcomes: list[Outcome], duration: float, concurrency: int | None)
         "completed": len(ok),
         "failed": len(outcomes) - len(ok),
         "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
+        "resent_after_stale_connection": sum(o.retries for o in outcomes),
         "duration_s": duration,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "input_tokens": prompt,
