@@ -30,13 +30,14 @@ error against an fp32 product. fp32 weights match ``F.linear`` within 1e-5 relat
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kernels.timing import timed_runs
 
 BACKENDS = ("aten", "onednn", "numpy")
 APPROXIMATE_BACKENDS = ("int8",)
@@ -217,12 +218,6 @@ class LmHead:
             times: dict[str, float] = {}
             for name in self.available_backends():
                 kernel = self._kernels[name]
-                kernel(rows)
-                best = math.inf
-                for _ in range(2):
-                    start = time.perf_counter()
-                    kernel(rows)
-                    best = min(best, time.perf_counter() - start)
-                times[name] = best * 1e3
+                times[name] = min(timed_runs(lambda: kernel(rows), 2)) * 1e3
             results[n] = times
         return results

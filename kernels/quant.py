@@ -19,11 +19,11 @@ mode, with the two timings, where int8 is not the faster one.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from kernels.timing import timed_runs
 
 
 def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -91,18 +91,10 @@ def time_int8_and_exact(
     q, scales = quantize_rows(weight)
     scales = scales.to(dtype)
 
-    def best(fn) -> float:
-        fn()  # warm-up: kernel selection, first-touch of the output
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            seconds.append(time.perf_counter() - start)
-        return min(seconds)
-
+    # One warm-up call each: kernel selection, first touch of the output.
     return (
-        best(lambda: torch._weight_int8pack_mm(x, q, scales)),
-        best(lambda: F.linear(x, weight)),
+        min(timed_runs(lambda: torch._weight_int8pack_mm(x, q, scales), repeats)),
+        min(timed_runs(lambda: F.linear(x, weight), repeats)),
     )
 
 

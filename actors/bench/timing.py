@@ -14,6 +14,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from kernels.timing import timed_runs
+
 
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile, `q` in [0, 1]."""
@@ -52,14 +54,7 @@ class Timings:
 
 
 def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 1) -> Timings:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return Timings(samples)
+    return Timings(timed_runs(fn, repeats, warmup))
 
 
 async def time_calls_async(

@@ -51,12 +51,17 @@ glibc = pytest.mark.skipif(
 )
 
 
-def _faults_per_page(mode: str) -> float:
+def _python(code: str, *args: str) -> str:
+    """stdout of `code` run by a fresh interpreter in the repository root."""
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    return float(out.stdout)
+    return out.stdout
+
+
+def _faults_per_page(mode: str) -> float:
+    return float(_python(PROBE, mode))
 
 
 @glibc
@@ -77,8 +82,4 @@ def test_importing_actors_applies_it_and_still_not_torch():
         "assert 'torch' not in sys.modules\n"
         "print(keep_freed_memory()[1])\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip()  # the reason, applied or not
+    assert _python(probe).strip()  # the reason, applied or not
