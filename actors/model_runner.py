@@ -117,17 +117,17 @@ class ModelRunnerActor(Actor):
         model = model.to(self.device)
         lm_head = None
         if self.quantization == "int8":
-            from kernels.lm_head import LmHead
-            from kernels.quant import int8_pays_off, quantize_linears, time_int8_and_exact
+            from kernels.quant import int8_activations_for, quantize_model
 
-            # Timed on the model's widest decoder product (the stacked gate/up projection).
-            timings = time_int8_and_exact(config.hidden, 2 * config.intermediate, self.dtype)
-            pays, why = int8_pays_off(*timings, self.dtype)
-            self.log.info("int8 quantization check", pays_off=pays, reason=why)
-            if not pays:
+            activations, why = int8_activations_for(config, self.dtype)
+            self.log.info(
+                "int8 quantization check",
+                activations=activations and str(activations).removeprefix("torch."),
+                reason=why,
+            )
+            if activations is None:
                 raise ValueError(why)
-            quantize_linears(model.layers)  # the LM head is the executor's, below
-            lm_head = LmHead(model.lm_head_weight, config.final_logit_softcap, backend="int8")
+            lm_head = quantize_model(model, config, activations)
         kv = KVCache(
             num_layers=config.num_layers,
             num_slots=(self.num_pages + 1) * self.page_size,

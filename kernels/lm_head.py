@@ -11,8 +11,9 @@ Backends (all take a contiguous [N, H] input in the weight's dtype):
   (``torch.ops.mkldnn._reorder_linear_weight``). Costs one extra copy of the weight.
 - ``numpy``:  OpenBLAS sgemm through numpy on a zero-copy view of the weight (fp32 only).
 - ``int8``:   the weight quantized per row to int8 (``kernels.quant``) and multiplied by
-  ``torch._weight_int8pack_mm``; approximate, so only when asked for by name (never picked by
-  ``auto`` or ``calibrate``).
+  ``torch._weight_int8pack_mm`` with activations in ``int8_activations`` (default: the
+  weight's dtype); approximate, so only when asked for by name (never picked by ``auto`` or
+  ``calibrate``).
 
 ``bin/engine bench lm_head`` times every backend at N = 1 / 8 / 32 on the machine at hand.
 ``backend="auto"`` uses oneDNN whenever it is available (a fixed plan, so logits are
@@ -63,6 +64,7 @@ class LmHead:
         final_softcap: float | None = None,
         backend: str = "auto",
         calibration_sizes: Sequence[int] = DEFAULT_CALIBRATION_SIZES,
+        int8_activations: torch.dtype | None = None,
     ) -> None:
         if weight.dim() != 2:
             raise ValueError(f"lm_head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
@@ -102,8 +104,7 @@ class LmHead:
         if backend == "int8":
             from kernels.quant import quantize_rows
 
-            q, scales = quantize_rows(self.weight)
-            self._int8 = (q, scales.to(self.weight.dtype))
+            self._int8 = quantize_rows(self.weight, int8_activations or self.weight.dtype)
         self._kernels: dict[str, Callable[[Tensor], Tensor]] = {
             "aten": self._aten,
             "onednn": self._onednn,
@@ -187,7 +188,7 @@ class LmHead:
     def _int8_kernel(self, rows: Tensor) -> Tensor:
         assert self._int8 is not None
         q, scales = self._int8
-        return torch._weight_int8pack_mm(rows, q, scales)
+        return torch._weight_int8pack_mm(rows.to(scales.dtype), q, scales)
 
     def _numpy(self, rows: Tensor) -> Tensor:
         assert self._numpy_weight is not None

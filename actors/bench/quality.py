@@ -1,7 +1,8 @@
 """`bin/engine bench quality`: what a weight mode costs in accuracy, against exact fp32.
 
 For each mode (`--modes fp32,bf16,int8`: dtype and quantization of the runner; int8 runs
-its activations in the dtype `model.dtype = auto` picks here) it reports:
+in the dtype `model.dtype = auto` picks here, its products with the activation dtype the
+runner's timing picks) it reports:
 
 * perplexity of the model on a fixed English text (`--tokens` tokens in windows of
   `--window`, every position scored given the window before it);
@@ -29,9 +30,8 @@ from actors.bench.timing import time_calls
 def build(mode: str, path: str | None, rows: int, capacity: int):
     from actors.bench.bare_executor import bare_executor
     from kernels.cpu import choose_dtype
-    from kernels.lm_head import LmHead
     from kernels.models import load_model
-    from kernels.quant import quantize_linears
+    from kernels.quant import int8_activations_for, quantize_model
 
     if mode == "int8":
         dtype, _ = choose_dtype("auto")
@@ -39,10 +39,10 @@ def build(mode: str, path: str | None, rows: int, capacity: int):
         dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     config, model = load_model(path, dtype)
     head = None
-    if mode == "int8":
-        head_weight = model.lm_head_weight
-        quantize_linears(model.layers)
-        head = LmHead(head_weight, config.final_logit_softcap, backend="int8")
+    if mode == "int8":  # as the runner does: the activation dtype its timing picks
+        activations, why = int8_activations_for(config, dtype)
+        print(f"int8: {why}", flush=True)
+        head = quantize_model(model, config, activations or dtype)
     return bare_executor(config, model, rows, capacity, lm_head=head, validate=False)
 
 
