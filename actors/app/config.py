@@ -42,7 +42,7 @@ class ModelSection(_Section):
     # decode steps as CUDA graphs per batch-size bucket (CUDA + flashinfer only)
     cuda_graphs: bool = True
     # decoder linears: aten = F.linear; onednn = oneDNN-packed weights, CPU only, opt-in
-    # (faster in a bare loop, slower in the engine so far: kernels/linear.py)
+    # (faster on an AVX2 CPU in fp32, slower in the engine on a bf16 one: kernels/linear.py)
     linear: Literal["aten", "onednn"] = "aten"
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
     quantization: Literal["none", "int8"] = "none"  # int8: weight-only, kernels/quant.py
