@@ -186,9 +186,10 @@ class LmHead:
         return torch.ops.mkldnn._linear_pointwise(rows, self._packed, None, "none", [], "")
 
     def _int8_kernel(self, rows: Tensor) -> Tensor:
+        from kernels.quant import int8_product
+
         assert self._int8 is not None
-        q, scales = self._int8
-        return torch._weight_int8pack_mm(rows.to(scales.dtype), q, scales)
+        return int8_product(rows, *self._int8)
 
     def _numpy(self, rows: Tensor) -> Tensor:
         assert self._numpy_weight is not None
