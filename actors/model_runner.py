@@ -50,8 +50,8 @@ class ModelRunnerActor(Actor):
         from kernels.device import choose_attention, choose_device
         from kernels.linear import choose_linear_backend
 
-        if quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8, got {quantization!r}")
+        if quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be none, int8 or int4, got {quantization!r}")
         self.quantization = quantization
         self.model_path = model
         # Chosen here, before anything loads: what this machine cannot run fails the start.
@@ -116,18 +116,19 @@ class ModelRunnerActor(Actor):
         config, model = load_model(self.model_path, self.dtype)
         model = model.to(self.device)
         lm_head = None
-        if self.quantization == "int8":
-            from kernels.quant import int8_activations_for, quantize_model
+        if self.quantization != "none":
+            from kernels.quant import activations_for, quantize_model
 
-            activations, why = int8_activations_for(config, self.dtype)
+            activations, why = activations_for(self.quantization, config, self.dtype)
             self.log.info(
-                "int8 quantization check",
+                "quantization check",
+                quantization=self.quantization,
                 activations=activations and str(activations).removeprefix("torch."),
                 reason=why,
             )
             if activations is None:
                 raise ValueError(why)
-            lm_head = quantize_model(model, config, activations)
+            lm_head = quantize_model(model, config, activations, self.quantization)
         kv = KVCache(
             num_layers=config.num_layers,
             num_slots=(self.num_pages + 1) * self.page_size,

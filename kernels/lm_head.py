@@ -10,10 +10,10 @@ Backends (all take a contiguous [N, H] input in the weight's dtype):
 - ``onednn``: oneDNN inner product on a weight reordered once into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``). Costs one extra copy of the weight.
 - ``numpy``:  OpenBLAS sgemm through numpy on a zero-copy view of the weight (fp32 only).
-- ``int8``:   the weight quantized per row to int8 (``kernels.quant``) and multiplied by
-  ``torch._weight_int8pack_mm`` with activations in ``int8_activations`` (default: the
-  weight's dtype); approximate, so only when asked for by name (never picked by ``auto`` or
-  ``calibrate``).
+- ``int8``, ``int4``: the weight quantized (``kernels.quant``: int8 per row, int4 per group
+  of 32) and multiplied by torch's weight-only kernel with activations in
+  ``quantized_activations`` (default: the weight's dtype); approximate, so only when asked
+  for by name (never picked by ``auto`` or ``calibrate``).
 
 ``bin/engine bench lm_head`` times every backend at N = 1 / 8 / 32 on the machine at hand.
 ``backend="auto"`` uses oneDNN whenever it is available (a fixed plan, so logits are
@@ -41,7 +41,7 @@ from torch import Tensor
 from kernels.timing import timed_runs
 
 BACKENDS = ("aten", "onednn", "numpy")
-APPROXIMATE_BACKENDS = ("int8",)
+APPROXIMATE_BACKENDS = ("int8", "int4")
 DEFAULT_CALIBRATION_SIZES = (1, 8, 32)
 
 
@@ -64,7 +64,7 @@ class LmHead:
         final_softcap: float | None = None,
         backend: str = "auto",
         calibration_sizes: Sequence[int] = DEFAULT_CALIBRATION_SIZES,
-        int8_activations: torch.dtype | None = None,
+        quantized_activations: torch.dtype | None = None,
     ) -> None:
         if weight.dim() != 2:
             raise ValueError(f"lm_head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
@@ -100,16 +100,19 @@ class LmHead:
             raise RuntimeError("the oneDNN lm_head backend is not available on this machine")
         if backend == "numpy" and self._numpy_weight is None:
             raise ValueError("the numpy lm_head backend needs a float32 weight")
-        self._int8: tuple[Tensor, Tensor] | None = None
-        if backend == "int8":
-            from kernels.quant import quantize_rows
+        self._quantized = None  # kernels.quant.QuantizedWeight of an approximate backend
+        if backend in APPROXIMATE_BACKENDS:
+            from kernels.quant import QuantizedWeight
 
-            self._int8 = quantize_rows(self.weight, int8_activations or self.weight.dtype)
+            self._quantized = QuantizedWeight(
+                self.weight, backend, quantized_activations or self.weight.dtype
+            )
         self._kernels: dict[str, Callable[[Tensor], Tensor]] = {
             "aten": self._aten,
             "onednn": self._onednn,
             "numpy": self._numpy,
-            "int8": self._int8_kernel,
+            "int8": self._quantized_kernel,
+            "int4": self._quantized_kernel,
         }
 
         # plan: bucket batch size -> backend name; a call uses the bucket nearest its N.
@@ -185,11 +188,9 @@ class LmHead:
         assert self._packed is not None
         return torch.ops.mkldnn._linear_pointwise(rows, self._packed, None, "none", [], "")
 
-    def _int8_kernel(self, rows: Tensor) -> Tensor:
-        from kernels.quant import int8_product
-
-        assert self._int8 is not None
-        return int8_product(rows, *self._int8)
+    def _quantized_kernel(self, rows: Tensor) -> Tensor:
+        assert self._quantized is not None
+        return self._quantized.product(rows)
 
     def _numpy(self, rows: Tensor) -> Tensor:
         assert self._numpy_weight is not None

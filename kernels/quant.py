@@ -1,24 +1,35 @@
-"""Weight-only int8 quantization for CPU decode (opt-in: `model.quantization = "int8"`).
+"""Weight-only quantization for CPU decode (opt-in: `model.quantization = "int8" | "int4"`).
 
 A batch-1 decode step streams every weight once, so its speed is bytes per token: fp32
-weights read 4 bytes a parameter, bf16 2, int8 1. Each linear layer's weight (and the LM
-head's) is quantized per output channel, symmetric: w ~ q * scale with q in [-127, 127] and
-scale = max |w_row| / 127 rounded to the dtype the kernel takes it in (so the rounding of
-the scale is folded into q, not left as a per-channel error), and multiplied by torch's own
-CPU kernel `torch._weight_int8pack_mm` (accumulation in float). The input embedding keeps
-its full-precision table (a lookup reads one row).
+weights read 4 bytes a parameter, bf16 2, int8 1, int4 half a byte. Each linear layer's
+weight (and the LM head's) is quantized and multiplied by one of torch's own CPU kernels,
+accumulating in float:
 
-The kernel's speed depends on the dtype of its activations, and not as the exact product's
-does: with bf16 activations it beats the fp32 product even on an AVX2-only CPU, where bf16
-matmuls are otherwise emulated; with fp32 activations it is several times slower than the
-fp32 product. So the runner times int8 with each candidate activation dtype (the model's,
-and bf16) against the exact product on the model's own shape (`time_int8_products`), runs
-the products in the fastest one (`choose_int8_activations`; activations are rounded to it
-for the product only, the rest of the model keeps its dtype) and refuses the mode, with the
-timings, where no int8 product beats the exact one.
+* **int8**: per output channel, symmetric: w ~ q * scale, q in [-127, 127], scale =
+  max |w_row| / 127 rounded to the dtype the kernel takes it in (so the rounding of the scale
+  is folded into q, not left as a per-channel error); `torch._weight_int8pack_mm`.
+* **int4**: per group of `INT4_GROUP` (32) input channels of each output channel,
+  asymmetric, as llama.cpp's Q4_1 / Q4_K blocks: w ~ (q - 8) * scale + zero, q in [0, 15].
+  Each group starts from its min/max range and refines (scale, min) by a few rounds of least
+  squares against its own rounding (`INT4_REFINE_ROUNDS`; each round can only lower the
+  group's squared error); `torch._weight_int4pack_mm_for_cpu`
+  over `torch._convert_weight_to_int4pack_for_cpu`'s packing. The kernel needs the output
+  channels in multiples of 16: others are padded with zero rows and cut from the result.
 
-The default stays the exact path: `bin/engine bench quality` reports how far this mode's
-greedy outputs and perplexity move from fp32.
+The input embedding keeps its full-precision table (a lookup reads one row).
+
+A kernel's speed depends on the dtype of its activations, and not as the exact product's
+does: with bf16 activations both beat the fp32 product even on an AVX2-only CPU, where bf16
+matmuls are otherwise emulated; with fp32 activations they can be several times slower than
+it. So the runner times the kernel with each candidate activation dtype (the model's, and
+bf16) against the exact product on the model's own shape (`time_quantized_products`), runs
+the products in the fastest one (`choose_activations`; activations are rounded to it for the
+product only, the rest of the model keeps its dtype) and refuses the mode, with the timings,
+where no quantized product beats the exact one.
+
+Both are approximate; int4 is markedly so (its grid has 16 levels). The default stays the
+exact path: `bin/engine bench quality` reports how far each mode's greedy outputs and
+perplexity move from fp32.
 """
 
 from __future__ import annotations
@@ -28,6 +39,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.timing import timed_runs
+
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP = 32  # input channels per int4 scale/zero pair (llama.cpp's block size)
+INT4_REFINE_ROUNDS = 4
+_INT4_ROWS = 16  # the int4 kernel's output channels come in multiples of this
+_FIT_ROWS = 16384  # output channels fitted at a time
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
+
+
+# --- int8 ----------------------------------------------------------------------------------
 
 
 def quantize_rows(
@@ -47,117 +72,233 @@ def int8_product(rows: Tensor, q: Tensor, scales: Tensor) -> Tensor:
     return out.to(rows.dtype)
 
 
-class Int8Linear(nn.Module):
-    """`nn.Linear` (no bias or with one) over an int8 per-channel weight, its product run
-    with activations in `activations` (default: the weight's dtype)."""
+# --- int4 ----------------------------------------------------------------------------------
+
+
+def quantize_groups(
+    weight: Tensor,
+    scale_dtype: torch.dtype = torch.float32,
+    group: int = INT4_GROUP,
+    rounds: int = INT4_REFINE_ROUNDS,
+) -> tuple[Tensor, Tensor]:
+    """(q int32 [out, in] in [0, 15], scales_zeros [in / group, out, 2] in `scale_dtype`)
+    with weight[o, g * group + j] ~ (q - 8) * scale[g, o] + zero[g, o]."""
+    out_features, in_features = weight.shape
+    if in_features % group:
+        raise ValueError(
+            f"int4 quantizes groups of {group} input channels; {in_features} is not a multiple"
+        )
+    # In chunks of rows: the fit's float32 temporaries stay small for a vocabulary-sized head.
+    parts = [
+        _fit_groups(chunk, scale_dtype, group, rounds) for chunk in weight.detach().split(_FIT_ROWS)
+    ]
+    q = torch.cat([p[0] for p in parts])
+    scales_zeros = torch.cat([p[1] for p in parts], dim=1)
+    return q, scales_zeros
+
+
+def _fit_groups(
+    weight: Tensor, scale_dtype: torch.dtype, group: int, rounds: int
+) -> tuple[Tensor, Tensor]:
+    out_features, in_features = weight.shape
+    w = weight.float().reshape(out_features, in_features // group, group)
+    low = w.amin(dim=-1)
+    scale = (w.amax(dim=-1) - low).clamp(min=1e-12) / 15
+    for _ in range(rounds):
+        # Least squares for w ~ scale * q + low given this rounding of q.
+        q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15)
+        q_mean, w_mean = q.mean(dim=-1), w.mean(dim=-1)
+        q_dev = q - q_mean[..., None]
+        var = (q_dev * q_dev).sum(dim=-1)
+        fitted = (q_dev * (w - w_mean[..., None])).sum(dim=-1) / var.clamp(min=1e-12)
+        keep = (var == 0) | (fitted <= 0)  # a constant group, or a degenerate fit
+        scale = torch.where(keep, scale, fitted)
+        low = torch.where(keep, low, w_mean - scale * q_mean)
+    # Round scale and zero as the kernel stores them, then fold that rounding into q.
+    scale = scale.clamp(min=1e-12).to(scale_dtype)
+    zero = (low + 8 * scale.float()).to(scale_dtype)
+    q = torch.round((w - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return q.to(torch.int32).reshape(out_features, in_features), scales_zeros
+
+
+def dequantize_groups(q: Tensor, scales_zeros: Tensor) -> Tensor:
+    """The float32 weight [out, in] that `quantize_groups`' output stands for."""
+    group = q.shape[1] // scales_zeros.shape[0]
+    scale = scales_zeros[..., 0].t().float().repeat_interleave(group, dim=1)
+    zero = scales_zeros[..., 1].t().float().repeat_interleave(group, dim=1)
+    return (q.float() - 8) * scale + zero
+
+
+def pack_int4(q: Tensor, scales_zeros: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel's packed weight and its scales/zeros, output channels padded with zero
+    rows to a multiple of 16."""
+    pad = -q.shape[0] % _INT4_ROWS
+    if pad:
+        q = torch.cat([q, torch.full((pad, q.shape[1]), 8, dtype=q.dtype)])
+        scales_zeros = torch.cat(
+            [scales_zeros, scales_zeros.new_zeros(scales_zeros.shape[0], pad, 2)], dim=1
+        )
+    return torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1), scales_zeros.contiguous()
+
+
+def int4_product(rows: Tensor, packed: Tensor, scales_zeros: Tensor, out_features: int) -> Tensor:
+    """rows [N, in] x packed int4 weight: [N, out_features] in the input's dtype; the product
+    runs with activations in the scales' dtype."""
+    group = rows.shape[1] // scales_zeros.shape[0]
+    out = torch._weight_int4pack_mm_for_cpu(
+        rows.to(scales_zeros.dtype).contiguous(), packed, group, scales_zeros
+    )
+    if out.shape[1] != out_features:
+        out = out[:, :out_features]
+    return out.to(rows.dtype)
+
+
+# --- either kind ---------------------------------------------------------------------------
+
+
+class QuantizedWeight:
+    """One [out, in] weight in `kind`, its products run with activations in `activations`
+    (the dtype its scales are stored in)."""
+
+    def __init__(self, weight: Tensor, kind: str, activations: torch.dtype) -> None:
+        _check_kind(kind)
+        self.kind = kind
+        self.out_features, self.in_features = weight.shape
+        if kind == "int8":
+            self.tensors = quantize_rows(weight, activations)
+        else:
+            self.tensors = pack_int4(*quantize_groups(weight, activations))
+
+    def product(self, rows: Tensor) -> Tensor:
+        """rows [N, in] (contiguous) -> [N, out] in the rows' dtype."""
+        if self.kind == "int8":
+            return int8_product(rows, *self.tensors)
+        return int4_product(rows, *self.tensors, self.out_features)
+
+
+class QuantizedLinear(nn.Module):
+    """`nn.Linear` (no bias or with one) over a quantized weight, its product run with
+    activations in `activations` (default: the weight's dtype)."""
 
     def __init__(
         self,
         linear: nn.Module,  # nn.Linear or kernels.linear.OneDnnLinear
+        kind: str = "int8",
         activations: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        q, scales = quantize_rows(linear.weight, activations or linear.weight.dtype)
-        self.register_buffer("qweight", q)
-        self.register_buffer("scales", scales)
+        self.quantized = QuantizedWeight(linear.weight, kind, activations or linear.weight.dtype)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach())
+
+    @property
+    def kind(self) -> str:
+        return self.quantized.kind
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        out = int8_product(x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scales)
+        out = self.quantized.product(x.reshape(-1, self.in_features).contiguous())
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
 
-def quantize_linears(module: nn.Module, activations: torch.dtype | None = None) -> int:
-    """Replace every `nn.Linear` (plain or oneDNN-packed) inside `module` by an
-    `Int8Linear` computing with `activations`; returns how many."""
+def quantize_linears(
+    module: nn.Module, kind: str = "int8", activations: torch.dtype | None = None
+) -> int:
+    """Replace every `nn.Linear` (plain or oneDNN-packed) inside `module` by a
+    `QuantizedLinear` of `kind` computing with `activations`; returns how many."""
     from kernels.linear import OneDnnLinear
 
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, (nn.Linear, OneDnnLinear)):
             # replaces the submodule of that name
-            module.add_module(name, Int8Linear(child, activations))
+            module.add_module(name, QuantizedLinear(child, kind, activations))
             count += 1
         else:
-            count += quantize_linears(child, activations)
+            count += quantize_linears(child, kind, activations)
     return count
 
 
-def int8_supported(activations: torch.dtype = torch.float32) -> bool:
-    """Whether torch's int8 weight-only matmul runs here with `activations`."""
+def quantized_supported(kind: str, activations: torch.dtype = torch.float32) -> bool:
+    """Whether torch's `kind` weight-only matmul runs here with `activations`."""
+    _check_kind(kind)
     try:
-        x = torch.zeros(1, 8, dtype=activations)
-        scales = torch.ones(4, dtype=activations)
-        torch._weight_int8pack_mm(x, torch.zeros(4, 8, dtype=torch.int8), scales)
-    except (RuntimeError, AttributeError):
+        weight = torch.zeros(_INT4_ROWS, INT4_GROUP)
+        QuantizedWeight(weight, kind, activations).product(
+            torch.zeros(1, INT4_GROUP, dtype=activations)
+        )
+    except (RuntimeError, AttributeError, NotImplementedError):
         return False
     return True
 
 
-def time_int8_products(
-    in_features: int, out_features: int, dtype: torch.dtype, rows: int = 1, repeats: int = 7
+def time_quantized_products(
+    kind: str,
+    in_features: int,
+    out_features: int,
+    dtype: torch.dtype,
+    rows: int = 1,
+    repeats: int = 7,
 ) -> tuple[dict[torch.dtype, float], float]:
-    """Best-of-`repeats` seconds of one [rows, in] x [out, in] product: int8 with each
+    """Best-of-`repeats` seconds of one [rows, in] x [out, in] product: `kind` with each
     activation dtype that runs here (`dtype`, bf16), and the exact `dtype` product."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
-    int8_s = {}
+    quantized_s = {}
     for activations in dict.fromkeys((dtype, torch.bfloat16)):
-        if int8_supported(activations):
-            q, scales = quantize_rows(weight, activations)
+        if quantized_supported(kind, activations):
+            product = QuantizedWeight(weight, kind, activations).product
             # One warm-up call each: kernel selection, first touch of the output.
-            product = lambda q=q, scales=scales: int8_product(x, q, scales)  # noqa: E731
-            int8_s[activations] = min(timed_runs(product, repeats))
-    return int8_s, min(timed_runs(lambda: F.linear(x, weight), repeats))
+            quantized_s[activations] = min(timed_runs(lambda p=product: p(x), repeats))
+    return quantized_s, min(timed_runs(lambda: F.linear(x, weight), repeats))
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def choose_int8_activations(
-    int8_s: dict[torch.dtype, float], exact_s: float, dtype: torch.dtype
+def choose_activations(
+    kind: str, quantized_s: dict[torch.dtype, float], exact_s: float, dtype: torch.dtype
 ) -> tuple[torch.dtype | None, str]:
-    """The activation dtype whose int8 product is fastest, if it beats the exact `dtype`
+    """The activation dtype whose `kind` product is fastest, if it beats the exact `dtype`
     product (else None), with the figures as the reason."""
     figures = ", ".join(
-        [f"int8 with {_name(a)} activations {s * 1e6:.0f} us" for a, s in int8_s.items()]
+        [f"{kind} with {_name(a)} activations {s * 1e6:.0f} us" for a, s in quantized_s.items()]
         + [f"exact {_name(dtype)} {exact_s * 1e6:.0f} us per batch-1 product"]
     )
-    fastest = min(int8_s, key=int8_s.__getitem__, default=None)
-    if fastest is not None and int8_s[fastest] < exact_s:
+    fastest = min(quantized_s, key=quantized_s.__getitem__, default=None)
+    if fastest is not None and quantized_s[fastest] < exact_s:
         return (
             fastest,
-            f"int8 weights are faster here with {_name(fastest)} activations ({figures})",
+            f"{kind} weights are faster here with {_name(fastest)} activations ({figures})",
         )
     return None, (
-        f"int8 weights are slower than the exact {_name(dtype)} path on this CPU ({figures}); "
-        'use model.quantization = "none"'
+        f"{kind} weights are slower than the exact {_name(dtype)} path on this CPU "
+        f'({figures}); use model.quantization = "none"'
     )
 
 
-def int8_activations_for(config, dtype: torch.dtype) -> tuple[torch.dtype | None, str]:
-    """`choose_int8_activations` timed on `config`'s widest decoder product (the stacked
+def activations_for(kind: str, config, dtype: torch.dtype) -> tuple[torch.dtype | None, str]:
+    """`choose_activations` timed on `config`'s widest decoder product (the stacked
     gate/up projection)."""
-    timings = time_int8_products(config.hidden, 2 * config.intermediate, dtype)
-    return choose_int8_activations(*timings, dtype)
+    timings = time_quantized_products(kind, config.hidden, 2 * config.intermediate, dtype)
+    return choose_activations(kind, *timings, dtype)
 
 
-def quantize_model(model: nn.Module, config, activations: torch.dtype):
-    """Quantize `model`'s decoder linears in place; returns its int8 LM head (the executor's
-    `lm_head`, over the tied embedding that keeps its full-precision table)."""
+def quantize_model(model: nn.Module, config, activations: torch.dtype, kind: str = "int8"):
+    """Quantize `model`'s decoder linears in place to `kind`; returns its quantized LM head
+    (the executor's `lm_head`, over the tied embedding that keeps its full-precision table)."""
     from kernels.lm_head import LmHead
 
-    quantize_linears(model.layers, activations)
+    quantize_linears(model.layers, kind, activations)
     return LmHead(
         model.lm_head_weight,
         config.final_logit_softcap,
-        backend="int8",
-        int8_activations=activations,
+        backend=kind,
+        quantized_activations=activations,
     )

@@ -57,7 +57,7 @@ SERVE_FLAGS = [
     ),
     ("--max-model-len", "kv.context_len", int, "tokens per request, prompt + output"),
     ("--dtype", "model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 where native)"),
-    ("--quantization", "model.quantization", str, "none | int8 (weight-only, approximate)"),
+    ("--quantization", "model.quantization", str, "none | int8 | int4 (weight-only, approximate)"),
     ("--max-num-seqs", "scheduler.max_running_requests", int, "requests decoding at once"),
     ("--chat-template", "server.chat_template", str, "a chat template file (or its text)"),
     (

@@ -45,7 +45,7 @@ class ModelSection(_Section):
     # (faster on an AVX2 CPU in fp32, slower in the engine on a bf16 one: kernels/linear.py)
     linear: Literal["aten", "onednn"] = "aten"
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
-    quantization: Literal["none", "int8"] = "none"  # int8: weight-only, kernels/quant.py
+    quantization: Literal["none", "int8", "int4"] = "none"  # weight-only, kernels/quant.py
     # generation defaults: "auto" = the model folder's generation_config.json (if any),
     # "none" = the engine's own, or a folder holding a generation_config.json
     generation_config: str = "auto"

@@ -1,8 +1,8 @@
 """`bin/engine bench quality`: what a weight mode costs in accuracy, against exact fp32.
 
-For each mode (`--modes fp32,bf16,int8`: dtype and quantization of the runner; int8 runs
-in the dtype `model.dtype = auto` picks here, its products with the activation dtype the
-runner's timing picks) it reports:
+For each mode (`--modes fp32,bf16,int8,int4`: dtype and quantization of the runner; int8
+and int4 run in the dtype `model.dtype = auto` picks here, their products with the
+activation dtype the runner's timing picks) it reports:
 
 * perplexity of the model on a fixed English text (`--tokens` tokens in windows of
   `--window`, every position scored given the window before it);
@@ -31,18 +31,18 @@ def build(mode: str, path: str | None, rows: int, capacity: int):
     from actors.bench.bare_executor import bare_executor
     from kernels.cpu import choose_dtype
     from kernels.models import load_model
-    from kernels.quant import int8_activations_for, quantize_model
+    from kernels.quant import QUANTIZATIONS, activations_for, quantize_model
 
-    if mode == "int8":
+    if mode in QUANTIZATIONS:
         dtype, _ = choose_dtype("auto")
     else:
         dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     config, model = load_model(path, dtype)
     head = None
-    if mode == "int8":  # as the runner does: the activation dtype its timing picks
-        activations, why = int8_activations_for(config, dtype)
-        print(f"int8: {why}", flush=True)
-        head = quantize_model(model, config, activations or dtype)
+    if mode in QUANTIZATIONS:  # as the runner does: the activation dtype its timing picks
+        activations, why = activations_for(mode, config, dtype)
+        print(f"{mode}: {why}", flush=True)
+        head = quantize_model(model, config, activations or dtype, mode)
     return bare_executor(config, model, rows, capacity, lm_head=head, validate=False)
 
 
@@ -89,7 +89,7 @@ def main() -> int:
         prog="bin/engine bench quality", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--model", default=None)
-    ap.add_argument("--modes", default="fp32,bf16,int8")
+    ap.add_argument("--modes", default="fp32,bf16,int8,int4")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--prompts", type=int, default=8)

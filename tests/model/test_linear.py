@@ -17,7 +17,7 @@ from kernels.linear import (
     pack_linears,
     stack_projections,
 )
-from kernels.quant import Int8Linear, quantize_linears
+from kernels.quant import QuantizedLinear, quantize_linears
 
 needs_onednn = pytest.mark.skipif(
     not onednn_linear_works(torch.float32), reason="oneDNN does not run fp32 linears here"
@@ -98,19 +98,19 @@ def test_onednn_linear_matches_f_linear(dtype, bias):
 @needs_onednn
 def test_packing_replaces_plain_linears_only_and_survives_deepcopy_and_quantization():
     model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4, bias=False)))
-    model[2].add_module("1", Int8Linear(nn.Linear(4, 4)))
+    model[2].add_module("1", QuantizedLinear(nn.Linear(4, 4)))
     x = torch.randn(5, 16)
     want = model(x)
     assert pack_linears(model) == 2
     assert isinstance(model[0], OneDnnLinear) and isinstance(model[2][0], OneDnnLinear)
-    assert isinstance(model[2][1], Int8Linear)
+    assert isinstance(model[2][1], QuantizedLinear)
     assert pack_linears(model) == 0  # nothing plain is left
     torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
     clone = copy.deepcopy(model)
     assert clone[0].packed is not model[0].packed
     torch.testing.assert_close(clone(x), want, rtol=1e-5, atol=1e-5)
     assert quantize_linears(clone) == 2  # packed linears quantize from their plain weight
-    assert isinstance(clone[0], Int8Linear)
+    assert isinstance(clone[0], QuantizedLinear)
     assert (clone(x) - want).norm() / want.norm() < 2e-2
 
 
