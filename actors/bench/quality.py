@@ -5,7 +5,9 @@ and int4 run in the dtype `model.dtype = auto` picks here, their products with t
 activation dtype the runner's timing picks) it reports:
 
 * perplexity of the model on a fixed English text (`--tokens` tokens in windows of
-  `--window`, every position scored given the window before it);
+  `--window`, every position scored given the window before it; with `--llama-cpp-windows`
+  as llama.cpp's `llama-perplexity -c WINDOW` scores: each window starts with BOS in place
+  of its first token and only its second half is scored, so the two tools' figures compare);
 * greedy agreement with fp32: over `--prompts` prompts, the share of the first
   `--new-tokens` greedy tokens equal to fp32's (teacher-free: each run generates on its
   own, so one early difference counts the rest as different), and how many prompts match
@@ -46,18 +48,27 @@ def build(mode: str, path: str | None, rows: int, capacity: int):
     return bare_executor(config, model, rows, capacity, lm_head=head, validate=False)
 
 
-def perplexity(executor, ids: list[int], window: int) -> float:
+def perplexity(
+    executor, ids: list[int], window: int, llama_cpp: bool = False, bos: int | None = None
+) -> float:
+    """exp(mean negative log-likelihood); `llama_cpp`: windows of exactly `window` tokens,
+    each opened by `bos`, scored on their second half only (llama.cpp's perplexity tool)."""
     from kernels.forward_batch import ForwardBatch
     from kernels.logprobs import token_logprobs
 
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
-        chunk = ids[start : start + window + 1]
-        if len(chunk) < 2:
+        chunk = ids[start : start + window + (0 if llama_cpp else 1)]
+        if len(chunk) < (window if llama_cpp else 2):
             break
-        batch = ForwardBatch([0], [0], [chunk[:-1]], [True])
+        if llama_cpp:
+            chunk = [bos, *chunk[1:]]
+        inputs, targets = chunk[:-1], chunk[1:]
+        batch = ForwardBatch([0], [0], [inputs], [True])
         _, (logits,) = executor.forward_full(batch, [True])
-        lps, _, _, _ = token_logprobs(logits, chunk[1:], 0)
+        lps, _, _, _ = token_logprobs(logits, targets, 0)
+        if llama_cpp:
+            lps = lps[window // 2 :]  # the targets at positions window/2 + 1 .. window - 1
         total += sum(lps)
         count += len(lps)
     return math.exp(-total / count)
@@ -92,6 +103,11 @@ def main() -> int:
     ap.add_argument("--modes", default="fp32,bf16,int8,int4")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument(
+        "--llama-cpp-windows",
+        action="store_true",
+        help="score as llama.cpp's llama-perplexity -c WINDOW does (BOS-led windows, 2nd half)",
+    )
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0)
@@ -116,7 +132,7 @@ def main() -> int:
         executor = build(mode, args.model, 1, max(args.window + 2, 48 + args.new_tokens))
         load_s = time.perf_counter() - t
         with torch.inference_mode():
-            ppl = perplexity(executor, ids, args.window)
+            ppl = perplexity(executor, ids, args.window, args.llama_cpp_windows, tok.bos_id)
             outs = [greedy(executor, p, args.new_tokens) for p in prompts]
             ms = decode_ms(executor, prompts[0])
         if reference is None:
