@@ -11,7 +11,7 @@ accumulating in float:
 * **int4**: per group of `INT4_GROUP` (32) input channels of each output channel,
   asymmetric, as llama.cpp's Q4_1 / Q4_K blocks: w ~ (q - 8) * scale + zero, q in [0, 15].
   Each group starts from its min/max range and refines (scale, min) by a few rounds of least
-  squares against its own rounding (`INT4_REFINE_ROUNDS`; each round can only lower the
+  squares against its own rounding (`INT4_REFINE_ROUNDS`; no round raises the
   group's squared error); `torch._weight_int4pack_mm_for_cpu`
   over `torch._convert_weight_to_int4pack_for_cpu`'s packing. The kernel needs the output
   channels in multiples of 16: others are padded with zero rows and cut from the result.
