@@ -44,7 +44,7 @@ class ModelRunnerActor(Actor):
         swa_num_pages: int = 0,
         device: str = "auto",
         cuda_graphs: bool = True,
-        linear: str = "aten",
+        linear: str = "auto",
     ) -> None:
         from kernels.cpu import choose_dtype, choose_threads
         from kernels.device import choose_attention, choose_device
@@ -60,7 +60,12 @@ class ModelRunnerActor(Actor):
         self.attention_name, self.attention_reason = choose_attention(
             attention, self.device, self.dtype
         )
-        self.linear = choose_linear_backend(linear, torch.device(self.device), self.dtype)
+        # What this machine cannot run fails here; "auto" is settled with the weights loaded.
+        # Quantized linears are no nn.Linear left to pack: auto means aten for them.
+        self.linear = "aten" if quantization != "none" and linear == "auto" else linear
+        self.linear_reason = choose_linear_backend(
+            self.linear, torch.device(self.device), self.dtype
+        )[1]
         if quantization != "none" and self.device != "cpu":
             raise ValueError(f"quantization = {quantization} is a CPU path; use none on CUDA")
         self.threads, self.threads_reason = choose_threads(threads, own_process)
@@ -157,6 +162,13 @@ class ModelRunnerActor(Actor):
             validate=False,
             cuda_graphs=self.cuda_graphs,
             linear=self.linear,
+        )
+        self.linear, self.linear_reason = self.executor.linear, self.executor.linear_reason
+        self.log.info(
+            "weights",
+            linear=self.linear,
+            linear_reason=self.linear_reason,
+            lm_head_plan=self.executor.lm_head.plan,
         )
         self.sampler = Sampler()
         if self.own_process:

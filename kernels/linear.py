@@ -1,4 +1,4 @@
-"""The decoder's linear layers: fused projections, and oneDNN-packed weights on the CPU.
+"""The decoder's linear layers: fused projections, and packed weights on the CPU.
 
 Fused projections (as vLLM's and SGLang's stacked parameters): each attention block holds
 one `qkv_proj` (q, k and v weights stacked along the output dimension, in that order) and
@@ -6,21 +6,32 @@ each MLP one `gate_up_proj` (gate, then up). Checkpoints name the parts separate
 `stack_projections` maps their tensors to the model's names when a model is built. One
 product instead of three (or two) reads the same bytes with fewer, larger kernel calls.
 
-oneDNN packing: on the CPU, `F.linear` hands each product to MKL or oneDNN on the weight's
-plain layout, which suits skinny decode shapes (a few rows against a wide weight) poorly.
-`pack_linears` reorders every decoder linear's weight once into oneDNN's blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, the same path as `LmHead`'s oneDNN backend)
-and multiplies with `torch.ops.mkldnn._linear_pointwise`; the plain weight is dropped, so
-memory stays one copy. fp32 results differ from `F.linear` by rounding only (a different
-summation order).
+Weight layouts for the CPU (`model.linear`), chosen once when a model is built:
 
-Packing is opt-in (`model.linear = "onednn"`; the default is "aten"), because the two
-kinds of CPU measured disagree. On an AVX-512 CPU with native bf16 (bf16 weights), a bare
-executor loop ran decode steps faster with packed weights, yet the whole engine served
-slower with them (`bin/engine bench offline --set model.linear=...`), for a reason not found
-yet. On an AVX2-only CPU (fp32 weights) packing made a bare batch-32 decode step ~20%
-faster and `bin/engine bench serve` at 32 concurrent ~9% faster. The stacked projections
-help either way.
+* ``aten``: `F.linear` on the plain weight (MKL / oneDNN on the weight's own layout).
+* ``onednn``: every decoder linear's weight reordered once into oneDNN's blocked layout
+  (`torch.ops.mkldnn._reorder_linear_weight`, the same path as `LmHead`'s oneDNN backend)
+  and multiplied by `torch.ops.mkldnn._linear_pointwise`. fp32 results differ from
+  `F.linear` by rounding only (a different summation order).
+* ``fp16``: fp32 models only. Each weight is stored in fp16 and packed for fbgemm's fp16
+  GEMM (`torch.ops.quantized.linear_prepack_fp16` / `linear_dynamic_fp16`, the kernel
+  PyTorch ships for x86 servers), which widens the weights to fp32 in registers:
+  activations, accumulation and outputs stay fp32. A decode step streams every weight
+  once, so half the bytes is up to half the time where memory bandwidth bounds the step
+  (batch 1); the only approximation is the weight's rounding to fp16's 11 significant bits
+  (relative error <= 2^-11 for |w| >= 2^-14, 8 times finer than bf16's). A weight beyond
+  fp16's range (|w| > 65504) is refused rather than saturated.
+
+The plain weight is dropped after packing (`.weight` rebuilds a plain copy on demand), so
+memory stays one copy.
+
+``auto`` (`choose_linear_backend`): ``fp16`` for an fp32 model on the CPU where fbgemm runs
+it (CPUs without native bf16 get fp32 from `model.dtype = "auto"`, and there bf16 products
+are emulated, so fp16 storage is the half-width format that runs at full speed), ``aten``
+otherwise: a bf16 model already reads 2 bytes a weight, and on the AVX-512 CPU measured the
+whole engine served slower with oneDNN-packed bf16 weights than with aten (for a reason not
+found), so packing stays opt-in there. `bin/engine bench model --linear ...` and
+`bin/engine bench quality --modes fp32,fp16` measure a machine's choice.
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ STACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
-LINEAR_BACKENDS = ("aten", "onednn")
+LINEAR_BACKENDS = ("aten", "onednn", "fp16")
+FP16_MAX = 65504.0  # the largest finite fp16
 
 
 def stack_projections(weights: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -89,6 +101,51 @@ class OneDnnLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class Fp16Linear(nn.Module):
+    """`nn.Linear` (fp32) on an fp16 copy of its weight, packed for fbgemm (CPU only);
+    activations, accumulation and output in fp32."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()
+        if weight.dtype != torch.float32:
+            raise ValueError(f"fp16 linears take fp32 layers, got {weight.dtype}")
+        check_fp16_range(weight, "a linear weight")
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        # An opaque fbgemm object: kept as a plain attribute, as OneDnnLinear's.
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.contiguous(), self.bias)
+        self.weight_bytes = weight.numel() * 2
+
+    @property
+    def weight(self) -> Tensor:
+        """A plain fp32 [out, in] copy of the weight as stored (rounded to fp16)."""
+        return torch.ops.quantized.linear_unpack_fp16(self.packed)[0]
+
+    def __deepcopy__(self, memo: dict) -> Fp16Linear:
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        plain.weight = nn.Parameter(self.weight, requires_grad=False)
+        if self.bias is not None:
+            plain.bias = nn.Parameter(self.bias.clone(), requires_grad=False)
+        return Fp16Linear(plain)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.quantized.linear_dynamic_fp16(rows, self.packed)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def check_fp16_range(weight: Tensor, what: str) -> None:
+    """Refuse a weight fp16 cannot hold (fbgemm would saturate it silently)."""
+    largest = _largest_magnitude(weight)
+    if not largest <= FP16_MAX:  # also catches NaN
+        raise ValueError(
+            f"{what} holds |w| = {largest:g}, beyond fp16's range ({FP16_MAX:g}); "
+            'use model.linear = "aten"'
+        )
+
+
 @cache
 def onednn_linear_works(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs and multiplies `dtype` weights on this CPU (probed once)."""
@@ -104,27 +161,83 @@ def onednn_linear_works(dtype: torch.dtype) -> bool:
     return bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
 
 
-def choose_linear_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The decoder linears' backend: "onednn" where asked for and oneDNN runs `dtype` on this
-    CPU (else an error naming why), "aten" otherwise."""
-    if requested not in LINEAR_BACKENDS:
-        raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, got {requested!r}")
+@cache
+def fp16_linear_works() -> bool:
+    """Whether fbgemm's fp16 linear runs on this CPU (probed once)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        linear = nn.Linear(16, 8, bias=True)
+        x = torch.randn(3, 16)
+        got = Fp16Linear(linear)(x)
+        want = nn.functional.linear(x, linear.weight.half().float(), linear.bias)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+
+
+def _largest_magnitude(weight: Tensor) -> float:
+    """max |w| (NaN if any is NaN) without a temporary the size of `weight`."""
+    if not weight.numel():
+        return 0.0
+    return max(float(weight.max()), -float(weight.min()))
+
+
+def fits_fp16(weights) -> bool:
+    """Whether every tensor of `weights` lies within fp16's range."""
+    return all(_largest_magnitude(w.detach()) <= FP16_MAX for w in weights)
+
+
+def choose_linear_backend(
+    requested: str, device: torch.device, dtype: torch.dtype, weights=None
+) -> tuple[str, str]:
+    """The decoder linears' backend for `requested` (a name or "auto") and why; what this
+    machine cannot run is an error naming why. `weights` (the tensors to be packed), when
+    given, lets "auto" keep aten for weights fp16 cannot hold."""
+    if requested not in (*LINEAR_BACKENDS, "auto"):
+        raise ValueError(
+            f"linear backend must be auto or one of {LINEAR_BACKENDS}, got {requested!r}"
+        )
+    if requested == "auto":
+        if device.type != "cpu":
+            return "aten", f"auto: aten on {device.type}"
+        if dtype != torch.float32:
+            return "aten", f"auto: aten for a {_name(dtype)} model"
+        if not fp16_linear_works():
+            return "aten", "auto: fbgemm's fp16 linear does not run here"
+        if weights is not None and not fits_fp16(weights):
+            return "aten", "auto: a weight is beyond fp16's range"
+        return "fp16", "auto: fp32 model on the CPU: weights stored in fp16 (half the bytes)"
     if requested == "aten":
-        return "aten"
+        return "aten", "set in the config"
     if device.type != "cpu":
-        raise ValueError(f"the onednn linear backend is a CPU path, not {device}")
-    if not onednn_linear_works(dtype):
-        raise ValueError(f"oneDNN cannot run {dtype} linears on this CPU; use aten")
-    return "onednn"
+        raise ValueError(f"the {requested} linear backend is a CPU path, not {device}")
+    if requested == "onednn" and not onednn_linear_works(dtype):
+        raise ValueError(f"oneDNN cannot run {_name(dtype)} linears on this CPU; use aten")
+    if requested == "fp16":
+        if dtype != torch.float32:
+            raise ValueError(f"fp16 linears need an fp32 model, not {_name(dtype)}; use aten")
+        if not fp16_linear_works():
+            raise ValueError("fbgemm's fp16 linear does not run on this CPU; use aten")
+    return requested, "set in the config"
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replace every `nn.Linear` inside `module` by a `OneDnnLinear`; returns how many."""
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+PACKED_LINEARS: dict[str, type[nn.Module]] = {"onednn": OneDnnLinear, "fp16": Fp16Linear}
+
+
+def pack_linears(module: nn.Module, backend: str = "onednn") -> int:
+    """Replace every `nn.Linear` inside `module` by its `backend` form (`OneDnnLinear`,
+    `Fp16Linear`); returns how many."""
+    packed = PACKED_LINEARS[backend]
     count = 0
     for name, child in list(module.named_children()):
         if type(child) is nn.Linear:
-            module.add_module(name, OneDnnLinear(child))  # replaces the submodule of that name
+            module.add_module(name, packed(child))  # replaces the submodule of that name
             count += 1
         else:
-            count += pack_linears(child)
+            count += pack_linears(child, backend)
     return count

@@ -10,6 +10,11 @@ Backends (all take a contiguous [N, H] input in the weight's dtype):
 - ``onednn``: oneDNN inner product on a weight reordered once into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``). Costs one extra copy of the weight.
 - ``numpy``:  OpenBLAS sgemm through numpy on a zero-copy view of the weight (fp32 only).
+- ``fp16``:   fbgemm's fp16 GEMM on an fp16 copy of an fp32 weight (`kernels.linear`'s fp16
+  layout: half the bytes, fp32 activations and accumulation, weights rounded to fp16). It
+  changes the weights, so only when named (never picked by ``auto`` or ``calibrate``). A plan
+  that names it may pair it with ``onednn`` only, whose copy then holds the same fp16-rounded
+  values: a row's logits keep one precision whatever the batch it rides in.
 - ``int8``, ``int4``: the weight quantized (``kernels.quant``: int8 per row, int4 per group
   of 32) and multiplied by torch's weight-only kernel with activations in
   ``quantized_activations`` (default: the weight's dtype); approximate, so only when asked
@@ -18,7 +23,9 @@ Backends (all take a contiguous [N, H] input in the weight's dtype):
 ``bin/engine bench lm_head`` times every backend at N = 1 / 8 / 32 on the machine at hand.
 ``backend="auto"`` uses oneDNN whenever it is available (a fixed plan, so logits are
 bit-identical across restarts); ``backend="calibrate"`` times every backend at construction
-and picks the fastest per bucket.
+and picks the fastest per bucket; a dict {bucket size: backend} is a plan given outright
+(`fp16_plan`: the fp16 weights while few rows share them, where the step streams the
+weight, and oneDNN's fp32 product beyond, where it computes).
 
 Weights on another device (CUDA) use ``aten`` only (cuBLAS is fine there); fp16 is accepted
 there too.
@@ -40,13 +47,24 @@ from torch import Tensor
 
 from kernels.timing import timed_runs
 
-BACKENDS = ("aten", "onednn", "numpy")
+BACKENDS = ("aten", "onednn", "numpy", "fp16")
 APPROXIMATE_BACKENDS = ("int8", "int4")
 DEFAULT_CALIBRATION_SIZES = (1, 8, 32)
+# fp16_plan's buckets: calls of up to ~22 rows (nearest in log scale to 16) take the fp16
+# weights; wider calls take oneDNN's fp32 product, where its kernel computes faster than
+# fbgemm's fp16 one (`bin/engine bench lm_head` shows where they cross on a machine).
+FP16_PLAN_BUCKETS = (16, 32)
 
 
 def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available())
+
+
+def fp16_plan() -> dict[int, str]:
+    """The head of an fp16-linear model (`model.linear = "fp16"`): the fp16 weights for
+    narrow calls, oneDNN's fp32 product (when it runs here) for wide ones."""
+    small, large = FP16_PLAN_BUCKETS
+    return {small: "fp16", large: "onednn"} if onednn_available() else {small: "fp16"}
 
 
 class LmHead:
@@ -62,7 +80,7 @@ class LmHead:
         self,
         weight: Tensor,
         final_softcap: float | None = None,
-        backend: str = "auto",
+        backend: str | dict[int, str] = "auto",
         calibration_sizes: Sequence[int] = DEFAULT_CALIBRATION_SIZES,
         quantized_activations: torch.dtype | None = None,
     ) -> None:
@@ -79,26 +97,36 @@ class LmHead:
                 f"lm_head weight must be one of {allowed} on {weight.device.type}, "
                 f"got {weight.dtype}"
             )
-        if not on_cpu and backend not in ("auto", "aten"):
+        given_plan = dict(backend) if isinstance(backend, dict) else None
+        named = set(given_plan.values()) if given_plan is not None else {backend}
+        if not on_cpu and not named <= {"auto", "aten"}:
             raise ValueError(f"only the aten lm_head backend runs on {weight.device}")
         if final_softcap is not None and not final_softcap > 0:
             raise ValueError(f"final_softcap must be positive or None, got {final_softcap}")
-        if backend not in (*BACKENDS, *APPROXIMATE_BACKENDS, "auto", "calibrate"):
-            raise ValueError(
-                f"unknown lm_head backend {backend!r}; choose from "
-                f"{(*BACKENDS, *APPROXIMATE_BACKENDS, 'auto', 'calibrate')}"
-            )
+        choices = (*BACKENDS, *APPROXIMATE_BACKENDS, "auto", "calibrate")
+        if given_plan is not None:
+            choices = BACKENDS
+            if not given_plan or not all(isinstance(n, int) and n > 0 for n in given_plan):
+                raise ValueError(f"a plan maps positive batch sizes to backends, got {backend}")
+        unknown = sorted(named - set(choices))
+        if unknown:
+            raise ValueError(f"unknown lm_head backend {unknown[0]!r}; choose from {choices}")
+        if "fp16" in named and not named <= {"fp16", "onednn"}:
+            raise ValueError(f"a plan with fp16 may pair it with onednn only, got {backend}")
         self.weight = weight.detach().contiguous()
         self.final_softcap = final_softcap
+        self._fp16 = self._pack_fp16() if "fp16" in named else None
         self._numpy_weight = (
             self.weight.numpy() if on_cpu and self.weight.dtype == torch.float32 else None
         )
         self._packed = (
-            self._pack_onednn() if on_cpu and backend in ("auto", "calibrate", "onednn") else None
+            self._pack_onednn(rounded_to_fp16="fp16" in named)
+            if on_cpu and named & {"auto", "calibrate", "onednn"}
+            else None
         )
-        if backend == "onednn" and self._packed is None:
+        if "onednn" in named and self._packed is None:
             raise RuntimeError("the oneDNN lm_head backend is not available on this machine")
-        if backend == "numpy" and self._numpy_weight is None:
+        if "numpy" in named and self._numpy_weight is None:
             raise ValueError("the numpy lm_head backend needs a float32 weight")
         self._quantized = None  # kernels.quant.QuantizedWeight of an approximate backend
         if backend in APPROXIMATE_BACKENDS:
@@ -111,13 +139,17 @@ class LmHead:
             "aten": self._aten,
             "onednn": self._onednn,
             "numpy": self._numpy,
+            "fp16": self._fp16_kernel,
             "int8": self._quantized_kernel,
             "int4": self._quantized_kernel,
         }
 
         # plan: bucket batch size -> backend name; a call uses the bucket nearest its N.
         self.plan: dict[int, str]
-        if backend == "calibrate":
+        if given_plan is not None:
+            self.calibration_ms = {}
+            self.plan = given_plan
+        elif backend == "calibrate":
             self.calibration_ms = self._calibrate(calibration_sizes)
             self.plan = {
                 n: min(times, key=times.__getitem__) for n, times in self.calibration_ms.items()
@@ -127,7 +159,9 @@ class LmHead:
             chosen = backend if backend != "auto" else self._fixed_choice()
             self.plan = {1: chosen}
         if "onednn" not in self.plan.values():
-            self._packed = None  # release the copy nobody uses
+            self._packed = None  # release the copies nobody uses
+        if "fp16" not in self.plan.values():
+            self._fp16 = None
 
     @property
     def vocab_size(self) -> int:
@@ -143,6 +177,8 @@ class LmHead:
             names.append("onednn")
         if self._numpy_weight is not None:
             names.append("numpy")
+        if self._fp16 is not None:
+            names.append("fp16")
         return names
 
     def backend_for(self, n: int) -> str:
@@ -188,6 +224,10 @@ class LmHead:
         assert self._packed is not None
         return torch.ops.mkldnn._linear_pointwise(rows, self._packed, None, "none", [], "")
 
+    def _fp16_kernel(self, rows: Tensor) -> Tensor:
+        assert self._fp16 is not None
+        return torch.ops.quantized.linear_dynamic_fp16(rows, self._fp16)
+
     def _quantized_kernel(self, rows: Tensor) -> Tensor:
         assert self._quantized is not None
         return self._quantized.product(rows)
@@ -198,16 +238,30 @@ class LmHead:
 
     # --- construction helpers -------------------------------------------------------------
 
-    def _pack_onednn(self) -> Tensor | None:
+    def _pack_onednn(self, rounded_to_fp16: bool = False) -> Tensor | None:
+        """The weight (its fp16-rounded values when `rounded_to_fp16`) in oneDNN's layout;
+        None where oneDNN does not run."""
         if not onednn_available():
             return None
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+            weight = self.weight.half().float() if rounded_to_fp16 else self.weight
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
             probe = torch.zeros(1, self.hidden_size, dtype=self.weight.dtype)
             torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
         except RuntimeError:
             return None
         return packed
+
+    def _pack_fp16(self):
+        """The weight in fp16, packed for fbgemm; where that cannot run, an error naming why."""
+        from kernels.linear import check_fp16_range, fp16_linear_works
+
+        if self.weight.device.type != "cpu" or self.weight.dtype != torch.float32:
+            raise ValueError("the fp16 lm_head backend takes a float32 CPU weight")
+        if not fp16_linear_works():
+            raise ValueError("fbgemm's fp16 product does not run on this machine")
+        check_fp16_range(self.weight, "the lm_head weight")
+        return torch.ops.quantized.linear_prepack_fp16(self.weight, None)
 
     def _fixed_choice(self) -> str:
         return "onednn" if self._packed is not None else "aten"

@@ -23,7 +23,8 @@ from kernels.lm_head import LmHead
 
 class ModelExecutor:
     """Holds references to the model, the KV cache, the table and the backend; on the CPU
-    it packs the model's decoder linears for oneDNN when asked (`linear`, kernels/linear.py)."""
+    it packs the model's decoder linears (and builds the LM head) for the weight layout
+    `linear` names or "auto" picks (kernels/linear.py); `linear_reason` says why."""
 
     def __init__(
         self,
@@ -37,7 +38,8 @@ class ModelExecutor:
         cuda_graphs: bool = False,
         linear: str = "aten",
     ) -> None:
-        from kernels.linear import choose_linear_backend, pack_linears
+        from kernels.linear import choose_linear_backend, fits_fp16, pack_linears
+        from kernels.lm_head import fp16_plan
 
         self.config = config
         self.model = model
@@ -47,12 +49,23 @@ class ModelExecutor:
         self.validate = validate
         self.dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
-        self.lm_head = lm_head or LmHead(model.lm_head_weight, config.final_logit_softcap)
-        # linear="onednn": the decoder's linears are packed in place once (a model packed by
-        # an earlier executor has no plain nn.Linear left to pack).
-        self.linear = choose_linear_backend(linear, self.device, self.dtype)
-        if self.linear == "onednn":
-            pack_linears(model.layers)
+        plain = [m.weight for m in model.layers.modules() if type(m) is nn.Linear]
+        self.linear, self.linear_reason = choose_linear_backend(
+            linear, self.device, self.dtype, plain
+        )
+        # The decoder's linears are packed in place once (a model packed by an earlier
+        # executor has no plain nn.Linear left to pack).
+        if self.linear != "aten":
+            pack_linears(model.layers, self.linear)
+        if lm_head is None:
+            head_weight = model.lm_head_weight
+            fp16_head = self.linear == "fp16" and fits_fp16([head_weight])
+            lm_head = LmHead(
+                head_weight,
+                config.final_logit_softcap,
+                backend=fp16_plan() if fp16_head else "auto",
+            )
+        self.lm_head = lm_head
         self.shape = AttentionShape(
             num_q_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads,

@@ -183,7 +183,7 @@ class QuantizedLinear(nn.Module):
 
     def __init__(
         self,
-        linear: nn.Module,  # nn.Linear or kernels.linear.OneDnnLinear
+        linear: nn.Module,  # nn.Linear, or a packed one of kernels.linear
         kind: str = "int8",
         activations: torch.dtype | None = None,
     ) -> None:
@@ -208,13 +208,13 @@ class QuantizedLinear(nn.Module):
 def quantize_linears(
     module: nn.Module, kind: str = "int8", activations: torch.dtype | None = None
 ) -> int:
-    """Replace every `nn.Linear` (plain or oneDNN-packed) inside `module` by a
-    `QuantizedLinear` of `kind` computing with `activations`; returns how many."""
-    from kernels.linear import OneDnnLinear
+    """Replace every `nn.Linear` (plain or packed) inside `module` by a `QuantizedLinear` of
+    `kind` computing with `activations`; returns how many."""
+    from kernels.linear import PACKED_LINEARS
 
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, (nn.Linear, OneDnnLinear)):
+        if isinstance(child, (nn.Linear, *PACKED_LINEARS.values())):
             # replaces the submodule of that name
             module.add_module(name, QuantizedLinear(child, kind, activations))
             count += 1

@@ -41,9 +41,10 @@ class ModelSection(_Section):
     attention: Literal["auto", "torch", "flashinfer", "triton"] = "auto"
     # decode steps as CUDA graphs per batch-size bucket (CUDA + flashinfer only)
     cuda_graphs: bool = True
-    # decoder linears: aten = F.linear; onednn = oneDNN-packed weights, CPU only, opt-in
-    # (faster on an AVX2 CPU in fp32, slower in the engine on a bf16 one: kernels/linear.py)
-    linear: Literal["aten", "onednn"] = "aten"
+    # weight layout of the decoder linears and LM head (kernels/linear.py): auto = fp16 for
+    # an fp32 model on the CPU (fbgemm), else aten; aten = F.linear; onednn = oneDNN-packed;
+    # fp16 = fp16 weights, fp32 activations and accumulation (fp32 models on x86 CPUs)
+    linear: Literal["auto", "aten", "onednn", "fp16"] = "auto"
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
     quantization: Literal["none", "int8", "int4"] = "none"  # weight-only, kernels/quant.py
     # generation defaults: "auto" = the model folder's generation_config.json (if any),

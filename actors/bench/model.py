@@ -30,9 +30,16 @@ def _prompts(config: ModelConfig, count: int, length: int, seed: int) -> list[li
 class _OurEngine:
     """Executor + contiguous slots per row, reset between measurements."""
 
-    def __init__(self, config: ModelConfig, model: torch.nn.Module, rows: int, capacity: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        model: torch.nn.Module,
+        rows: int,
+        capacity: int,
+        linear: str = "aten",
+    ):
         self.rows, self.capacity = rows, capacity
-        self.executor = bare_executor(config, model, rows, capacity)
+        self.executor = bare_executor(config, model, rows, capacity, linear=linear)
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         n = len(prompts)
@@ -45,7 +52,14 @@ class _OurEngine:
 
 def bench_ours(config, model, args) -> dict[str, float]:
     results: dict[str, float] = {}
-    engine = _OurEngine(config, model, max(args.batches), max(args.prefill_len, args.context + 64))
+    engine = _OurEngine(
+        config,
+        model,
+        max(args.batches),
+        max(args.prefill_len, args.context + 64),
+        args.linear,
+    )
+    print(f"linear layout {engine.executor.linear}: {engine.executor.linear_reason}")
     prompt = _prompts(config, 1, args.prefill_len, seed=0)
     seconds = time_calls(lambda: engine.prefill(prompt), args.repeats).best
     results["prefill_tok_s"] = args.prefill_len / seconds
@@ -135,6 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument(
+        "--linear",
+        choices=["auto", "aten", "onednn", "fp16"],
+        default="aten",
+        help="weight layout of the linears and LM head (model.linear; auto as the runner)",
+    )
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.threads:

@@ -82,6 +82,7 @@ def run_bare(cfg, batch: list[list[int]], new_tokens: int) -> dict:
         validate=False,
         attention=attention,
         cuda_graphs=cfg.model.cuda_graphs,
+        linear=cfg.model.linear,  # the engine's weight layout, or the two loops differ
     )
     sampler = Sampler()
     params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

@@ -1,8 +1,9 @@
 """`bin/engine bench quality`: what a weight mode costs in accuracy, against exact fp32.
 
-For each mode (`--modes fp32,bf16,int8,int4`: dtype and quantization of the runner; int8
-and int4 run in the dtype `model.dtype = auto` picks here, their products with the
-activation dtype the runner's timing picks) it reports:
+For each mode (`--modes fp32,fp16,bf16,int8,int4`: dtype, weight layout and quantization of
+the runner; fp16 is an fp32 model with fp16 weights (`model.linear = "fp16"`); int8 and int4
+run in the dtype `model.dtype = auto` picks here, their products with the activation dtype
+the runner's timing picks) it reports:
 
 * perplexity of the model on a fixed English text (`--tokens` tokens in windows of
   `--window`, every position scored given the window before it; with `--llama-cpp-windows`
@@ -40,6 +41,8 @@ def build(mode: str, path: str | None, rows: int, capacity: int):
     else:
         dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     config, model = load_model(path, dtype)
+    if mode == "fp16":
+        return bare_executor(config, model, rows, capacity, validate=False, linear="fp16")
     head = None
     if mode in QUANTIZATIONS:  # as the runner does: the activation dtype its timing picks
         activations, why = activations_for(mode, config, dtype)
@@ -100,7 +103,7 @@ def main() -> int:
         prog="bin/engine bench quality", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--model", default=None)
-    ap.add_argument("--modes", default="fp32,bf16,int8,int4")
+    ap.add_argument("--modes", default="fp32,fp16,bf16,int8,int4")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument(

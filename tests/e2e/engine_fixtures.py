@@ -18,7 +18,8 @@ def small_config(**overrides) -> EngineConfig:
         scheduler__max_batch_tokens=1024,
         scheduler__chunk_size=256,
         engine__debug_checks=True,
-        model__dtype="float32",  # HF parity is checked in fp32
+        model__dtype="float32",  # HF parity is checked in fp32, on the exact weights
+        model__linear="aten",  # (auto stores an fp32 model's weights in fp16)
         model__threads=1,
     )
     base.update(overrides)

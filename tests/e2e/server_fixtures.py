@@ -71,6 +71,7 @@ def start_server(
         # fp32: the tests compare texts across batch compositions (n > 1 vs alone, HTTP vs
         # ZeroMQ), which batch invariance guarantees in fp32 (tests/test_batch_invariance.py).
         "model.dtype=float32",
+        "model.linear=aten",  # exact fp32 weights: lm-eval's scores are compared with HF's
         "model.threads=1",
         'server.allowed_origins=["http://app.example"]',
         "server.sse_keepalive_s=0.05",  # every stream then carries keep-alive comments

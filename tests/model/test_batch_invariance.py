@@ -7,9 +7,13 @@ one request's chunked prefill rides in the same forwards as another request's de
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from kernels.forward_batch import ForwardBatch
+from kernels.linear import fp16_linear_works, pack_linears
+from kernels.lm_head import LmHead, fp16_plan, onednn_available
 from kernels.tokenizer_loader import load_tokenizer
 from tests.model.model_fixtures import GreedyRunner, make_executor
 
@@ -118,3 +122,23 @@ def test_prefill_chunks_mixed_with_decode_steps(model, prompts, alone_outputs):
                 (out_a if row == 0 else out_b).append(int(next(next_ids)))
     assert out_a == alone_outputs[a]
     assert out_b == alone_outputs[b]
+
+
+@pytest.mark.skipif(not fp16_linear_works(), reason="fbgemm's fp16 linear does not run here")
+def test_fp16_layout_batch_of_24_matches_alone(model, prompts):
+    """fp16-stored weights (`model.linear = "fp16"`): a request's greedy output is the same
+    alone (every LM head call narrow: fbgemm's fp16 product) and among 24 (wide calls: oneDNN
+    on the same fp16-rounded values)."""
+    config, module = model
+    fp16 = copy.deepcopy(module)
+    assert pack_linears(fp16.layers, "fp16") > 0
+    head = LmHead(fp16.lm_head_weight, config.final_logit_softcap, backend=fp16_plan())
+    batch = [prompts[i % len(prompts)][: 40 + 13 * i] for i in range(24)]
+    alone = []
+    for prompt in batch[:8]:
+        executor, slots = make_executor(config, fp16, 1, CAPACITY, lm_head=head)
+        alone.append(GreedyRunner(executor, slots).generate([prompt], NEW_TOKENS)[0])
+    executor, slots = make_executor(config, fp16, len(batch), CAPACITY, lm_head=head)
+    assert head.backend_for(len(batch)) != head.backend_for(1) or not onednn_available()
+    together = GreedyRunner(executor, slots).generate(batch, NEW_TOKENS)
+    assert together[:8] == alone

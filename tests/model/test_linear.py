@@ -1,4 +1,5 @@
-"""kernels/linear.py: stacked projections and oneDNN-packed linears against F.linear."""
+"""kernels/linear.py: stacked projections, oneDNN-packed and fp16 linears against F.linear,
+and the choice of layout."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from torch import nn
 
 from kernels.cpu import bf16_matmul_supported
 from kernels.linear import (
+    FP16_MAX,
+    Fp16Linear,
     OneDnnLinear,
     choose_linear_backend,
+    fits_fp16,
+    fp16_linear_works,
     onednn_linear_works,
     pack_linears,
     stack_projections,
@@ -21,6 +26,9 @@ from kernels.quant import QuantizedLinear, quantize_linears
 
 needs_onednn = pytest.mark.skipif(
     not onednn_linear_works(torch.float32), reason="oneDNN does not run fp32 linears here"
+)
+needs_fp16 = pytest.mark.skipif(
+    not fp16_linear_works(), reason="fbgemm's fp16 linear does not run here (not x86)"
 )
 
 
@@ -116,11 +124,92 @@ def test_packing_replaces_plain_linears_only_and_survives_deepcopy_and_quantizat
 
 def test_choose_linear_backend():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert choose_linear_backend("aten", cpu, torch.float32) == "aten"
-    assert choose_linear_backend("aten", cuda, torch.bfloat16) == "aten"
+    assert choose_linear_backend("aten", cpu, torch.float32)[0] == "aten"
+    assert choose_linear_backend("aten", cuda, torch.bfloat16)[0] == "aten"
     if onednn_linear_works(torch.float32):
-        assert choose_linear_backend("onednn", cpu, torch.float32) == "onednn"
+        assert choose_linear_backend("onednn", cpu, torch.float32)[0] == "onednn"
     with pytest.raises(ValueError, match="CPU path"):
         choose_linear_backend("onednn", cuda, torch.bfloat16)
-    with pytest.raises(ValueError, match="linear backend must be one of"):
+    with pytest.raises(ValueError, match="CPU path"):
+        choose_linear_backend("fp16", cuda, torch.float32)
+    with pytest.raises(ValueError, match="need an fp32 model"):
+        choose_linear_backend("fp16", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="linear backend must be auto or one of"):
         choose_linear_backend("mkl", cpu, torch.float32)
+
+
+def test_auto_layout_is_fp16_only_for_fp32_models_on_the_cpu():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_linear_backend("auto", cuda, torch.float32)[0] == "aten"
+    assert choose_linear_backend("auto", cpu, torch.bfloat16)[0] == "aten"
+    backend, why = choose_linear_backend("auto", cpu, torch.float32)
+    assert backend == ("fp16" if fp16_linear_works() else "aten"), why
+    assert why.startswith("auto:")
+    # Weights fp16 cannot hold keep the exact layout.
+    huge = [torch.ones(2, 2), torch.tensor([[1.0, -2 * FP16_MAX]])]
+    assert choose_linear_backend("auto", cpu, torch.float32, huge) == (
+        "aten",
+        "auto: a weight is beyond fp16's range",
+    )
+    assert fits_fp16([torch.ones(3), torch.tensor([FP16_MAX, -FP16_MAX]), torch.empty(0)])
+    assert not fits_fp16([torch.tensor([1.0, float("nan")])])
+
+
+@needs_fp16
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp16_linear_is_the_product_of_the_fp16_rounded_weight_in_fp32(bias):
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(640, 1536, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(1536, 640, generator=gen) / 25)
+        if bias:
+            linear.bias.copy_(torch.randn(1536, generator=gen))
+    packed = Fp16Linear(linear)
+    rounded = linear.weight.detach().half().float()
+    assert torch.equal(packed.weight, rounded)  # stored exactly as fp16 holds it
+    assert packed.weight_bytes == 2 * linear.weight.numel()
+    for shape in [(1, 640), (7, 640), (33, 640), (2, 3, 640), (0, 640)]:
+        x = torch.randn(*shape, generator=gen)
+        got = packed(x)
+        assert got.shape == (*shape[:-1], 1536) and got.dtype == torch.float32
+        # fp32 accumulation of the rounded weight: summation order apart, the same numbers
+        torch.testing.assert_close(got, F.linear(x, rounded, linear.bias), rtol=1e-5, atol=1e-5)
+        # and within fp16's rounding of the exact product
+        want = F.linear(x, linear.weight, linear.bias).detach()
+        scale = float(want.abs().max()) if want.numel() else 1.0
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-3 * scale)
+    wide = torch.randn(4, 1280, generator=gen)
+    torch.testing.assert_close(
+        packed(wide[:, :640]), F.linear(wide[:, :640], rounded, linear.bias), rtol=1e-5, atol=1e-5
+    )
+
+
+@needs_fp16
+def test_fp16_linear_refuses_what_fp16_cannot_hold_and_other_dtypes():
+    linear = nn.Linear(4, 2)
+    with torch.no_grad():
+        linear.weight[0, 0] = 1e6
+    with pytest.raises(ValueError, match="beyond fp16's range"):
+        Fp16Linear(linear)
+    with torch.no_grad():
+        linear.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="beyond fp16's range"):
+        Fp16Linear(linear)
+    with pytest.raises(ValueError, match="fp32 layers"):
+        Fp16Linear(nn.Linear(4, 2).to(torch.bfloat16))
+
+
+@needs_fp16
+def test_fp16_packing_survives_deepcopy_and_quantization():
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4, bias=False))
+    x = torch.randn(5, 16)
+    want = model(x)
+    assert pack_linears(model, "fp16") == 2
+    assert all(isinstance(model[i], Fp16Linear) for i in (0, 2))
+    assert pack_linears(model, "fp16") == 0
+    assert (model(x) - want).abs().max() <= 1e-3 * want.abs().max()
+    clone = copy.deepcopy(model)
+    assert clone[0].packed is not model[0].packed
+    torch.testing.assert_close(clone(x), model(x), rtol=1e-5, atol=1e-5)
+    assert quantize_linears(clone) == 2
+    assert isinstance(clone[0], QuantizedLinear)

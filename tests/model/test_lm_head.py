@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import bf16_matmul_supported
-from kernels.lm_head import BACKENDS, LmHead, onednn_available
+from kernels.linear import fp16_linear_works
+from kernels.lm_head import BACKENDS, FP16_PLAN_BUCKETS, LmHead, fp16_plan, onednn_available
 
 VOCAB, HIDDEN = 4099, 64  # odd vocab: no backend may rely on a friendly multiple
 
@@ -35,7 +36,14 @@ def _available(weight: torch.Tensor) -> list[str]:
         names.append("onednn")
     if weight.dtype == torch.float32:
         names.append("numpy")
+    if weight.dtype == torch.float32 and fp16_linear_works():
+        names.append("fp16")
     return names
+
+
+def _stored(weight: torch.Tensor, backend: str) -> torch.Tensor:
+    """The weight as a backend multiplies it: fp16 rounds it, the rest keep it."""
+    return weight.half().float() if backend == "fp16" else weight
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -47,7 +55,7 @@ def test_fp32_backends_match_f_linear(backend: str, n: int) -> None:
     head = LmHead(weight, backend=backend)
     hidden = _hidden(n)
     assert head.backend_for(n) == backend
-    _assert_close_relative(head(hidden), F.linear(hidden, weight), 1e-5)
+    _assert_close_relative(head(hidden), F.linear(hidden, _stored(weight, backend)), 1e-5)
 
 
 def test_auto_plan_uses_onednn_when_available_and_matches() -> None:
@@ -64,7 +72,8 @@ def test_calibration_picks_a_measured_backend_per_bucket() -> None:
     head = LmHead(weight, backend="calibrate", calibration_sizes=(1, 4, 16))
     assert set(head.plan) == {1, 4, 16}
     for size, times in head.calibration_ms.items():
-        assert set(times) == set(_available(weight))
+        # fp16 changes the weights: only a plan that names it uses it
+        assert set(times) == set(_available(weight)) - {"fp16"}
         assert head.plan[size] == min(times, key=times.__getitem__)
     # Between buckets the nearest one (log scale) decides; beyond the last, the last does.
     assert head.backend_for(2) == head.plan[4]  # tie between 1 and 4 goes to the larger
@@ -73,6 +82,53 @@ def test_calibration_picks_a_measured_backend_per_bucket() -> None:
     for n in (1, 3, 9, 40):
         hidden = _hidden(n)
         _assert_close_relative(head(hidden), F.linear(hidden, weight), 1e-5)
+
+
+@pytest.mark.skipif(not fp16_linear_works(), reason="fbgemm's fp16 product does not run here")
+def test_the_fp16_plan_keeps_fp16_weight_values_at_every_batch_size() -> None:
+    weight = _weight()
+    small, large = FP16_PLAN_BUCKETS
+    head = LmHead(weight, backend=fp16_plan())
+    assert head.plan == fp16_plan()
+    assert head.calibration_ms == {}
+    wide = "onednn" if onednn_available() else "fp16"
+    rounded = weight.half().float()
+    for n, backend in [(1, "fp16"), (small, "fp16"), (large, wide), (4 * large, wide)]:
+        assert head.backend_for(n) == backend
+        hidden = _hidden(n)
+        # oneDNN's copy holds the fp16-rounded values too: one precision for every batch
+        _assert_close_relative(head(hidden), F.linear(hidden, rounded), 1e-5)
+    assert head._fp16 is not None and head._numpy_weight is not None
+    assert (head._packed is not None) == onednn_available()
+    # fp16 rounds the weights: logits within fp16's relative precision of the exact ones
+    hidden = _hidden(3)
+    _assert_close_relative(head(hidden), F.linear(hidden, weight), 2e-3)
+    assert LmHead(weight, backend={4: "aten"})._fp16 is None
+    assert LmHead(weight, backend="aten")._fp16 is None
+    # a plan without fp16 keeps oneDNN's copy exact
+    if onednn_available():
+        exact = LmHead(weight, backend={1: "onednn"})
+        _assert_close_relative(exact(hidden), F.linear(hidden, weight), 1e-5)
+
+
+def test_bad_plans_and_fp16_refusals() -> None:
+    with pytest.raises(ValueError, match="positive batch sizes"):
+        LmHead(_weight(), backend={0: "aten"})
+    with pytest.raises(ValueError, match="positive batch sizes"):
+        LmHead(_weight(), backend={})
+    with pytest.raises(ValueError, match="unknown lm_head backend 'calibrate'"):
+        LmHead(_weight(), backend={1: "calibrate"})
+    with pytest.raises(ValueError, match="unknown lm_head backend 'int8'"):
+        LmHead(_weight(), backend={1: "aten", 8: "int8"})
+    with pytest.raises(ValueError, match="pair it with onednn only"):
+        LmHead(_weight(), backend={1: "fp16", 8: "aten"})
+    with pytest.raises(ValueError, match="float32 CPU weight"):
+        LmHead(_weight(torch.bfloat16), backend="fp16")
+    if fp16_linear_works():
+        huge = _weight()
+        huge[3, 5] = 1e5
+        with pytest.raises(ValueError, match="beyond fp16's range"):
+            LmHead(huge, backend="fp16")
 
 
 def test_weight_is_shared_and_packed_copy_only_kept_when_used() -> None:
