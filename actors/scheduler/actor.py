@@ -9,8 +9,12 @@ Each step (continuous batching under a token budget):
   3. prefill: continuing chunks first, then admissions (`KvStatsRequest`, and `PeekPrefix`
      for longest-prefix-match) under the remaining budget, in one `AllocExtend`;
   4. one `ForwardBatchMsg` to the runner, carrying every slot delta the allocator returned;
-  5. one `TokenBatch` to the tokenizer; finished requests released in one `ReleaseBatch`,
-     non-final chunks cached in one `CacheUnfinished`.
+  5. finished requests released in one `ReleaseBatch`, non-final chunks cached in one
+     `CacheUnfinished`; the step's `TokenBatch` for the tokenizer is held until the next
+     step's `ForwardBatchMsg` is on its way (or the loop has no next forward), so
+     detokenization and streaming of step N overlap the runner's step N + 1 instead of
+     delaying its start. Nothing of step N + 1 depends on the report: every decision it
+     needs (finishes by length, EOS, stop ids) the scheduler has made already.
 When the engine goes idle it asks the allocator for a conservation check (`IdleCheck`).
 
 When the runner crashes (`PeerCrashed` from the system), the step waiting on it is given
@@ -60,6 +64,7 @@ from transport.messages.engine import (
     EndRequests,
     SchedulerStatsRequest,
     SubmitRequests,
+    TokenBatch,
 )
 from transport.messages.radix import PeekPrefix, PeekReply
 from transport.messages.runner import StepResultMsg
@@ -106,6 +111,7 @@ class SchedulerActor(Actor):
         self.tried_admission = False  # this step asked for KV stats to admit from the queue
         self.runner_lost: str | None = None  # why, from the runner's crash until it is back
         self._forward_scope: anyio.CancelScope | None = None  # the runner call in flight
+        self._report: TokenBatch | None = None  # the last step's token report, not yet sent
         self.runner_failures = 0
 
     # ---- mailbox -------------------------------------------------------------------------
@@ -157,6 +163,7 @@ class SchedulerActor(Actor):
                 await self._recover_from_runner_crash()
                 continue
             if not self.core.has_work:
+                await self._send_report()  # no next forward to wait for
                 self.wake = anyio.Event()
                 self.core.on_idle()
                 await self.alloc.call(IdleCheck(), expect=IdleCheckReply)
@@ -170,6 +177,7 @@ class SchedulerActor(Actor):
                 continue
             if not progressed:
                 # Nothing could run (e.g. waiting for KV held by nobody we can retract).
+                await self._send_report()
                 self.wake = anyio.Event()
                 with anyio.move_on_after(0.05):
                     await self.wake.wait()
@@ -190,6 +198,7 @@ class SchedulerActor(Actor):
                 await self._retract(action.victim)
             elif isinstance(action, CutShort):
                 core.cut_short(action.req, out)
+            await self._send_report()  # the previous step's report goes first
             await self._flush(out)
             return bool(out.reports) or action is not None
         batch = core.build_batch(decode, prefill)
@@ -204,7 +213,7 @@ class SchedulerActor(Actor):
                 expect=CacheUnfinishedReply,
             )
             core.defer_deltas(reply.deltas)
-        await self._flush(out)
+        await self._flush(out, hold_report=True)
         pure = (
             not prefill
             and not out.released
@@ -223,9 +232,13 @@ class SchedulerActor(Actor):
         if self.runner_lost is None:
             with anyio.CancelScope() as self._forward_scope:
                 try:
-                    return await self._call(
-                        self.runner, batch, expect=StepResultMsg, timeout=self.runner_timeout_s
-                    )
+                    async with anyio.create_task_group() as tg:
+                        # The call sends the batch before its first wait, so the report
+                        # (the previous step's tokens) follows the batch to the runner.
+                        tg.start_soon(self._send_report)
+                        return await self._call(
+                            self.runner, batch, expect=StepResultMsg, timeout=self.runner_timeout_s
+                        )
                 finally:
                     self._forward_scope = None
         raise RunnerLost(self.runner_lost)
@@ -235,6 +248,7 @@ class SchedulerActor(Actor):
         runner), check that the pool is whole, then wait for the runner to be back."""
         reason = self.runner_lost
         self.runner_failures += 1
+        await self._send_report()  # tokens computed before the crash still reach clients
         out = StepOutbox()
         ended = self.core.fail_all(out)
         await self._flush(out)
@@ -331,8 +345,19 @@ class SchedulerActor(Actor):
         if out.releases:
             await self._call(self.alloc, ReleaseBatch(items=out.take_releases()))
 
-    async def _flush(self, out: StepOutbox) -> None:
+    async def _flush(self, out: StepOutbox, hold_report: bool = False) -> None:
+        """Releases now; the token report now, or (`hold_report`) with the next forward."""
         await self._send_releases(out)
         if out.has_news:
+            assert self._report is None, "a token report was left unsent"
+            self._report = out.token_batch()  # built now: it reads the requests as they are
+            if not hold_report:
+                await self._send_report()
+
+    async def _send_report(self) -> None:
+        """Send the held token report, if any; never lost to a cancellation midway."""
+        if self._report is not None:
+            report, self._report = self._report, None
             self.step_messages += 1
-            await self.tokenizer.send(out.token_batch())
+            with anyio.CancelScope(shield=True):
+                await self.tokenizer.send(report)

@@ -16,6 +16,7 @@ import anyio
 import pytest
 
 from actors.runtime import ActorSpec, ActorSystem
+from actors.scheduler.actor import SchedulerActor
 from tests.actors.fake_engine_actors import FakeRunner, SinkTokenizer
 from transport.messages.alloc import KvStats, KvStatsRequest
 from transport.messages.control import StatsReply, StatsRequest
@@ -247,6 +248,56 @@ def test_pure_decode_steps_cost_three_messages_at_any_batch_size():
         assert s.pure_decode_messages == 3 * s.pure_decode_steps
         assert runner_calls == s.steps  # one forward message per step
         assert token_batches == s.steps  # one token report per step
+
+
+class _SendOrderScheduler(SchedulerActor):
+    """The real scheduler, noting the order in which it hands forwards to the runner and
+    token reports to the tokenizer."""
+
+    def __init__(self, log: list[str], **kw) -> None:
+        super().__init__(**kw)
+        self.order = log
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        call, send = self.runner.call, self.tokenizer.send
+
+        async def forward(msg, **kw):
+            self.order.append("forward")
+            return await call(msg, **kw)
+
+        async def report(msg, **kw):
+            self.order.append("report")
+            return await send(msg, **kw)
+
+        self.runner.call, self.tokenizer.send = forward, report
+
+
+def test_a_steps_token_report_follows_the_next_forward():
+    """Detokenizing and streaming step N's tokens overlaps the runner's step N + 1: the
+    report goes out once the next forward is on its way, and the last one when the loop
+    has no forward left."""
+    order: list[str] = []
+
+    async def go():
+        h = Harness(400, 4)
+        kw = dict(page_size=4, row_capacity=256, max_running_requests=32)
+        h.specs[2] = ActorSpec("scheduler", lambda: _SendOrderScheduler(order, **kw))
+        async with h:
+            prompts = {1: [10, 11, 12], 2: [13, 14]}
+            await h.submit(prompts, GenerationParams(max_tokens=6, ignore_eos=True))
+            await h.wait_done(prompts)
+            await h.assert_idle_balanced()
+            return dict(h.sink.outputs), len(h.runner.batches)
+
+    outputs, forwards = run(go)
+    assert all(len(t) == 6 for t in outputs.values())
+    assert order.count("forward") == forwards and order.count("report") == forwards
+    # F F R F R ... F R R: report j (of step j) after forward j + 1, the last at idle
+    for j in range(1, forwards):
+        position = [i for i, what in enumerate(order) if what == "report"][j - 1]
+        assert order[:position].count("forward") == j + 1, order
+    assert order[-2:] == ["report", "report"]
 
 
 # ---- KV ownership holes (each of these failed before the fix it names) ----------------------
