@@ -23,7 +23,9 @@ Weight layouts for the CPU (`model.linear`), chosen once when a model is built:
   fp16's range (|w| > 65504) is refused rather than saturated.
 
 The plain weight is dropped after packing (`.weight` rebuilds a plain copy on demand), so
-memory stays one copy.
+memory stays one copy. A tied LM head keeps the fp32 table for the embedding lookup and
+adds an fp16 copy plus oneDNN's copy of the same rounded values (`kernels.lm_head.fp16_plan`;
+1 GB more for Gemma 3's 262144 x 640 head).
 
 ``auto`` (`choose_linear_backend`): ``fp16`` for an fp32 model on the CPU where fbgemm runs
 it (CPUs without native bf16 get fp32 from `model.dtype = "auto"`, and there bf16 products

@@ -38,7 +38,7 @@ class ModelExecutor:
         cuda_graphs: bool = False,
         linear: str = "aten",
     ) -> None:
-        from kernels.linear import choose_linear_backend, fits_fp16, pack_linears
+        from kernels.linear import choose_linear_backend, pack_linears
         from kernels.lm_head import fp16_plan
 
         self.config = config
@@ -50,6 +50,8 @@ class ModelExecutor:
         self.dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
         plain = [m.weight for m in model.layers.modules() if type(m) is nn.Linear]
+        if lm_head is None:
+            plain.append(model.lm_head_weight)
         self.linear, self.linear_reason = choose_linear_backend(
             linear, self.device, self.dtype, plain
         )
@@ -58,12 +60,10 @@ class ModelExecutor:
         if self.linear != "aten":
             pack_linears(model.layers, self.linear)
         if lm_head is None:
-            head_weight = model.lm_head_weight
-            fp16_head = self.linear == "fp16" and fits_fp16([head_weight])
             lm_head = LmHead(
-                head_weight,
+                model.lm_head_weight,
                 config.final_logit_softcap,
-                backend=fp16_plan() if fp16_head else "auto",
+                backend=fp16_plan() if self.linear == "fp16" else "auto",
             )
         self.lm_head = lm_head
         self.shape = AttentionShape(
