@@ -75,6 +75,13 @@ def bench_ours(config, model, args) -> dict[str, float]:
         results[f"decode_b{batch}_ms"] = step * 1000
         results[f"decode_b{batch}_tok_s"] = batch / step
         results[f"lm_head_b{batch}_share"] = head / step
+        if args.profile:
+            from actors.bench.step_profile import format_profile, profile_steps
+
+            ms = profile_steps(
+                lambda: engine.decode_step(lens, tokens), engine.executor, args.repeats
+            )
+            print(format_profile(f"batch {batch}", ms), flush=True)
     return results
 
 
@@ -152,8 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--linear",
         choices=["auto", "aten", "onednn", "fp16"],
-        default="aten",
+        default="auto",
         help="weight layout of the linears and LM head (model.linear; auto as the runner)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also each batch's decode step broken down by torch's profiler",
     )
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]

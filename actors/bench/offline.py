@@ -48,11 +48,22 @@ async def run_kvactor(
         await eng.generate_batch(
             warmup or [batch[0][:8]], GenerationParams(max_tokens=3, temperature=0)
         )
+        before = await eng.scheduler_stats()
         t = time.perf_counter()
         results = await eng.generate_batch(batch, params)
         wall = time.perf_counter() - t
+        after = await eng.scheduler_stats()
     out = sum(len(r.token_ids) for r in results)
-    return {"wall_s": wall, "output_tokens": out, "output_tok_s": out / wall}
+    busy = after.runner_busy_s - before.runner_busy_s
+    steps = after.steps - before.steps
+    return {
+        "wall_s": wall,
+        "output_tokens": out,
+        "output_tok_s": out / wall,
+        "runner_busy_share": busy / wall,
+        "steps": steps,
+        "gap_ms": (wall - busy) / max(steps, 1) * 1e3,
+    }
 
 
 def run_bare(cfg, batch: list[list[int]], new_tokens: int) -> dict:
@@ -202,6 +213,12 @@ def main() -> int:
     print(
         f"kvactor offline: {ours['output_tok_s']:.1f} tok/s ({ours['wall_s']:.1f} s, "
         f"{ours['output_tokens']} tokens)",
+        flush=True,
+    )
+    print(
+        f"runner busy (forward + sampling) {100 * ours['runner_busy_share']:.1f}% of the wall, "
+        f"{ours['steps']} steps, {ours['gap_ms']:.1f} ms a step outside the runner "
+        "(messages, scheduling, detokenization)",
         flush=True,
     )
     if args.bare:

@@ -38,6 +38,7 @@ class SchedulerCounters:
     cached_tokens: int = 0
     pure_decode_steps: int = 0  # decode steps with no admission, finish or end
     pure_decode_messages: int = 0  # messages the scheduler sent during those steps
+    runner_ms: float = 0.0  # the runner's own time in its steps (forward + sampling)
 
 
 class SchedulerCore:
@@ -239,6 +240,7 @@ class SchedulerCore:
     ) -> list[Req]:
         """Fold the sampled tokens in; returns requests whose prefill is still unfinished."""
         sampled = sampled_tokens(result)
+        self.counters.runner_ms += result.forward_ms
         out.prompt_logprobs(result, {w.req.rid: w for w in prefill})
         unfinished: list[Req] = []
         for work in prefill:
@@ -282,4 +284,5 @@ class SchedulerCore:
             new_token_ratio=self.ratio.value,
             pure_decode_steps=c.pure_decode_steps,
             pure_decode_messages=c.pure_decode_messages,
+            runner_busy_s=c.runner_ms / 1e3,
         )

@@ -8,6 +8,7 @@ After every scenario the KV pools must balance.
 from __future__ import annotations
 
 import random
+import time
 
 import anyio
 import pytest
@@ -173,11 +174,16 @@ async def test_decode_step_message_budget_is_constant(engine, tokenizer):
     for batch in (1, 8):
         before = await engine.scheduler_stats()
         prompts = [ids[i * 20 : i * 20 + 12] for i in range(batch)]
+        t = time.perf_counter()
         await engine.generate_batch(
             prompts, GenerationParams(max_tokens=10, ignore_eos=True, **GREEDY)
         )
+        wall = time.perf_counter() - t
         after = await engine.scheduler_stats()
         assert after.decode_steps > before.decode_steps
+        # The runner's own time in those steps, as it reported it: some, and within the wall.
+        busy = after.runner_busy_s - before.runner_busy_s
+        assert 0 < busy <= wall
     stats = await engine.scheduler_stats()
     assert stats.pure_decode_steps > 0
     assert stats.pure_decode_messages == 3 * stats.pure_decode_steps

@@ -188,3 +188,4 @@ class SchedulerStats(Message):
     new_token_ratio: float
     pure_decode_steps: int = 0  # decode steps with no admission, finish or end
     pure_decode_messages: int = 0  # messages the scheduler sent during those steps
+    runner_busy_s: float = 0.0  # the runner's time inside its steps (forward + sampling)
