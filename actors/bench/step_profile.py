@@ -49,6 +49,8 @@ def _bucket(event) -> str:
         return ATTENTION
     if any(n in _LINEAR_OPS for n in chain):
         return LINEARS
+    if "aten::embedding" in chain:  # an index_select inside, but the token table, not KV
+        return OTHER
     if any(n in _KV_OPS for n in chain):
         return KV
     return OTHER

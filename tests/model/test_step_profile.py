@@ -1,5 +1,5 @@
 """`actors/bench/step_profile.py`: each op's time lands in its bucket, the LM head's
-interior in the LM head's, and the buckets add up to the profiled wall time."""
+interior in the LM head's, an embedding lookup in the other ops and not the KV gathers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from torch import nn
 from actors.bench.step_profile import (
     ATTENTION,
     BUCKETS,
+    KV,
     LINEARS,
     LM_HEAD,
     format_profile,
@@ -41,3 +42,19 @@ def test_buckets_attribute_the_head_the_layers_and_attention():
     assert all(v >= 0 for v in ms.values())
     line = format_profile("batch 4", ms)
     assert line.startswith("[batch 4] profiled step") and "lm_head" in line
+
+
+def test_an_embedding_lookup_is_not_a_kv_gather():
+    class _Embed:
+        def __init__(self) -> None:
+            self.table = nn.Embedding(50_000, 256)
+            self.ids = torch.randint(0, 50_000, (4096,))
+            self.lm_head = nn.Identity()
+
+        def step(self):
+            return self.lm_head(self.table(self.ids))
+
+    m = _Embed()
+    with torch.inference_mode():
+        ms = profile_steps(m.step, m, steps=3)
+    assert ms[KV] == 0
