@@ -54,7 +54,7 @@ class ModelSection(_Section):
 
 class KvSection(_Section):
     page_size: int = 16
-    num_pages: int = 1024
+    num_pages: int = 2048
     # req-to-token rows: running requests, plus idle sessions holding KV; sessions get the
     # rows beyond scheduler.max_running_requests (at most sessions.max_sessions)
     max_rows: int = 80
