@@ -1,8 +1,11 @@
 """The CPU reference attention backend: gathers paged K/V and calls torch SDPA.
 
-Decode requests (one new token) are attended together: their keys are gathered into a
-padded [B, L] slot matrix once per forward (padding lanes point at the reserved slot 0 and
-are masked out), and each layer runs one batched SDPA. Prefill chunks are attended one
+Decode requests (one new token) are attended in groups of similar context length: each
+group's keys are gathered into a padded [B, L] slot matrix once per forward (padding lanes
+point at the reserved slot 0 and are masked out), and each layer runs one batched SDPA per
+group. Grouping (`decode_groups`) bounds the padding: gathering and attending a padded lane
+costs as much as a real one, and one batch of contexts from 50 to 600 tokens padded to the
+longest wastes about half the step's attention work. Prefill chunks are attended one
 request at a time with an explicit causal (and sliding-window) mask over the request's
 cached prefix plus the chunk. Sliding layers gather only the keys their window can reach.
 """
@@ -34,9 +37,47 @@ class _KeySet:
 
 @dataclass(frozen=True)
 class _DecodePlan:
-    token_index: Tensor | None  # q rows of the decode requests; None when they are all rows
+    """One group of decode requests attended together."""
+
+    token_index: Tensor | None  # q rows of the group's requests; None when they are all rows
     full: _KeySet
     sliding: _KeySet
+
+
+# A group's fixed cost (its own gathers, SDPA call and row scatter in every layer), in padded
+# key lanes: splitting a group pays when it removes more padding than this.
+DECODE_GROUP_COST_LANES = 256
+
+
+def decode_groups(
+    lengths: np.ndarray, group_cost: int = DECODE_GROUP_COST_LANES
+) -> list[np.ndarray]:
+    """Partition decode requests (their key counts `lengths`) into groups minimizing
+    sum(group size x longest in group) + group_cost x groups, i.e. padded lanes plus a fixed
+    cost per group. Groups are runs of the requests sorted by length (an optimal partition
+    has that form); exact by dynamic programming, O(n^2) numpy steps for n requests.
+    Returns index arrays into `lengths`, each in ascending request order."""
+    n = lengths.size
+    if n <= 1:
+        return [np.arange(n)]
+    order = np.argsort(-lengths, kind="stable")  # longest first
+    widths = lengths[order].astype(np.int64)
+    # best[j]: cost of grouping the j longest requests; a group of sorted i..j-1 is as
+    # wide as its first (longest) member.
+    best = np.zeros(n + 1, dtype=np.int64)
+    cut = np.zeros(n + 1, dtype=np.int64)
+    starts = np.arange(n, dtype=np.int64)
+    for j in range(1, n + 1):
+        costs = best[:j] + (j - starts[:j]) * widths[:j] + group_cost
+        i = int(np.argmin(costs))
+        best[j], cut[j] = costs[i], i
+    groups = []
+    j = n
+    while j > 0:
+        i = int(cut[j])
+        groups.append(np.sort(order[i:j]))
+        j = i
+    return groups[::-1]
 
 
 @dataclass(frozen=True)
@@ -85,7 +126,7 @@ class TorchRefBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
-        self._decode: _DecodePlan | None = None
+        self._decode: list[_DecodePlan] = []
         self._prefills: list[_PrefillPlan] = []
         # Reused gather buffers for K and V: fresh multi-MB allocations per layer cost more
         # (page faults) than the gather itself on CPU.
@@ -99,23 +140,25 @@ class TorchRefBackend(AttentionBackend):
         seq = meta.seq_lens_host
         kv_start = meta.kv_indptr_host[:-1]
         decode_reqs = np.flatnonzero(extend == 1)
-        self._decode = None
-        if decode_reqs.size:
-            dec_seq = seq[decode_reqs]
-            dec_start = kv_start[decode_reqs]
+        self._decode = []
+        groups = decode_groups(seq[decode_reqs]) if decode_reqs.size else []
+        for members in groups:
+            reqs = decode_reqs[members]
+            dec_seq = seq[reqs]
+            dec_start = kv_start[reqs]
             full = _padded_keys(meta.kv_indices, dec_start, dec_seq)
             sliding = full
             if window is not None and int(dec_seq.max()) > window:
                 skip = np.maximum(dec_seq - window, 0)
                 sliding = _padded_keys(meta.kv_indices, dec_start + skip, dec_seq - skip)
             sliding = _KeySet(slots=to_sliding(sliding.slots), mask=sliding.mask)
-            all_rows = decode_reqs.size == meta.batch_size
+            all_rows = reqs.size == meta.batch_size
             token_index = (
                 None
                 if all_rows
-                else torch.from_numpy(meta.qo_indptr_host[decode_reqs]).to(meta.kv_indices.device)
+                else torch.from_numpy(meta.qo_indptr_host[reqs]).to(meta.kv_indices.device)
             )
-            self._decode = _DecodePlan(token_index=token_index, full=full, sliding=sliding)
+            self._decode.append(_DecodePlan(token_index=token_index, full=full, sliding=sliding))
         self._prefills = []
         for r in np.flatnonzero(extend > 1):
             prefix = int(meta.prefix_lens_host[r])
@@ -135,17 +178,16 @@ class TorchRefBackend(AttentionBackend):
         kv_cache.write(layer_id, meta.out_slots, k, v)
         k_all, v_all = kv_cache.layer_kv(layer_id)
         shape = meta.shape
-        decode = self._decode
-        if decode is not None and decode.token_index is None:
-            keys = decode.sliding if is_sliding else decode.full
-            return self._attend_decode(q, k_all, v_all, keys)
+        if len(self._decode) == 1 and self._decode[0].token_index is None:
+            group = self._decode[0]
+            return self._attend_decode(q, k_all, v_all, group.sliding if is_sliding else group.full)
         out = torch.empty_like(q)
-        if decode is not None:
-            keys = decode.sliding if is_sliding else decode.full
+        for group in self._decode:
+            keys = group.sliding if is_sliding else group.full
             out.index_copy_(
                 0,
-                decode.token_index,
-                self._attend_decode(q.index_select(0, decode.token_index), k_all, v_all, keys),
+                group.token_index,
+                self._attend_decode(q.index_select(0, group.token_index), k_all, v_all, keys),
             )
         for plan in self._prefills:
             keys = plan.sliding if is_sliding else plan.full
