@@ -58,7 +58,9 @@ def decode_groups(
     has that form); exact by dynamic programming, O(n^2) numpy steps for n requests.
     Returns index arrays into `lengths`, each in ascending request order."""
     n = lengths.size
-    if n <= 1:
+    # One group is optimal when its padding is at most one group's cost: any split costs at
+    # least sum(lengths) + 2 x group_cost. This covers batch 1 and equal lengths at no cost.
+    if n <= 1 or n * int(lengths.max()) - int(lengths.sum()) <= group_cost:
         return [np.arange(n)]
     order = np.argsort(-lengths, kind="stable")  # longest first
     widths = lengths[order].astype(np.int64)
