@@ -11,10 +11,14 @@ Turn protocol (the tokenizer drives it):
   EndTurn (after the request's final report; the scheduler has already settled its KV)
 Close or idle timeout releases the slot (`CloseSlots` to the allocator); a close while a
 turn runs takes effect when that turn ends.
+
+Session ids are never logged nor echoed in refusals: a log line holds `_tag(id)`, a short
+hash that names a session across lines without letting anyone address it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
 from dataclasses import dataclass
@@ -93,9 +97,7 @@ class SessionsActor(Actor):
             return await self._open(msg)
         s = self.sessions.get(msg.session_id)
         if s is None or s.close_pending:
-            return ErrorReply(
-                code=ERR_SESSION_NOT_FOUND, message=f"no session {_clip(msg.session_id)!r}"
-            )
+            return ErrorReply(code=ERR_SESSION_NOT_FOUND, message=_NOT_FOUND)
         if isinstance(msg, GetSession):
             return await self._info(s)
         if isinstance(msg, CloseSession):
@@ -126,7 +128,9 @@ class SessionsActor(Actor):
                 code=ERR_SESSION_LIMIT,
                 message=f"{len(self.sessions)} sessions are open (the most); close one first",
             )
-        sid = secrets.token_hex(12)
+        sid = msg.session_id or secrets.token_hex(12)
+        if not 0 < len(sid) <= 128 or sid in self.sessions:
+            return _invalid("session_id must be 1..128 characters and not in use")
         await self.alloc.call(OpenSlot(session_id=sid), expect=Ack)
         s = Session(
             id=sid,
@@ -136,7 +140,7 @@ class SessionsActor(Actor):
         )
         self.sessions[sid] = s
         self.opened += 1
-        self.log.info("session opened", session=sid, ttl_s=ttl, max_tokens=s.max_tokens)
+        self.log.info("session opened", session=_tag(sid), ttl_s=ttl, max_tokens=s.max_tokens)
         return SessionInfo(
             session_id=sid,
             ttl_s=ttl,
@@ -155,7 +159,7 @@ class SessionsActor(Actor):
         reply = await self.alloc.call(
             CloseSlots(session_ids=[s.id for s in sessions]), expect=CloseSlotsReply
         )
-        self.log.info("sessions closed", sessions=[s.id for s in sessions], pages=reply.pages)
+        self.log.info("sessions closed", sessions=[_tag(s.id) for s in sessions], pages=reply.pages)
 
     async def _reaper(self) -> None:
         while True:
@@ -174,23 +178,19 @@ class SessionsActor(Actor):
     def _begin_turn(self, msg: BeginTurn) -> BeginTurnReply:
         s = self.sessions.get(msg.session_id)
         if s is None or s.close_pending:
-            return BeginTurnReply(
-                ok=False,
-                code=ERR_SESSION_NOT_FOUND,
-                message=f"no session {_clip(msg.session_id)!r}",
-            )
+            return BeginTurnReply(ok=False, code=ERR_SESSION_NOT_FOUND, message=_NOT_FOUND)
         if s.busy_rid is not None:
             return BeginTurnReply(
                 ok=False,
                 code=ERR_SESSION_BUSY,
-                message=f"session {s.id!r} is running a turn already; one turn at a time",
+                message="the session is running a turn already; one turn at a time",
             )
         if msg.prompt_tokens >= s.max_tokens:
             return BeginTurnReply(
                 ok=False,
                 code=ERR_INVALID_REQUEST,
                 message=(
-                    f"the conversation is {msg.prompt_tokens} tokens; session {s.id!r} holds "
+                    f"the conversation is {msg.prompt_tokens} tokens; the session holds "
                     f"at most {s.max_tokens} (its max_tokens), output included"
                 ),
             )
@@ -229,5 +229,9 @@ def _invalid(message: str) -> ErrorReply:
     return ErrorReply(code=ERR_INVALID_REQUEST, message=message)
 
 
-def _clip(text: str, n: int = 64) -> str:
-    return text if len(text) <= n else text[:n] + "..."
+_NOT_FOUND = "no such session (it may have timed out or been closed)"
+
+
+def _tag(session_id: str) -> str:
+    """What logs show of a session id: 8 hex digits of its SHA-256 (not the id)."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:8]

@@ -1,7 +1,8 @@
 """Sampling where the logits are (the GPU), for steps whose requests need nothing but the
 sampling parameters: one token per row, then one copy of the B token ids to the host.
 
-Semantics are `kernels.sampling`'s (its module docstring): greedy rows take the argmax;
+Semantics are `kernels.sampling`'s (its module docstring): greedy rows (temperature below
+`GREEDY_TEMPERATURE_BELOW`, 0 included) take the argmax;
 the others divide by their temperature, weigh tokens exp(x - max) (weights below exp(-87)
 are 0), keep every token whose weight reaches the largest of the min-p, top-k and top-p
 cut-offs (top-p over the top-k-kept tokens, ties kept), and draw by inverse CDF over the
@@ -23,6 +24,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 SUBNORMAL_LOG_FLOOR = -87.0
+# A temperature below this is greedy (as vLLM's _SAMPLING_EPS): dividing logits by a tiny
+# temperature overflows to inf, and exp(inf - inf) is NaN, which would pick an arbitrary
+# token (the last id) instead of the argmax. Both sampling paths use `is_greedy_temperature`.
+GREEDY_TEMPERATURE_BELOW = 1e-5
+
+
+def is_greedy_temperature(temperature: float) -> bool:
+    """Whether a request with this temperature takes the argmax (0 and anything tiny)."""
+    return temperature < GREEDY_TEMPERATURE_BELOW
 
 
 def simple_enough(params) -> bool:
@@ -35,7 +45,7 @@ def sample_rows(logits: Tensor, params: list, uniforms: list[float | None]) -> T
     draw of row i (None for greedy rows)."""
     device = logits.device
     tokens = logits.argmax(dim=-1)
-    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    sampled = [i for i, p in enumerate(params) if not is_greedy_temperature(p.temperature)]
     if not sampled:
         return tokens
     index = torch.tensor(sampled, device=device)

@@ -9,7 +9,8 @@ vLLM/OpenAI:
    negative one), then ``frequency_penalty * count`` and ``presence_penalty`` (once) over
    output tokens, then, for the rows of requests with a grammar (constrained decoding,
    `kernels.grammar`), -inf for every token the grammar does not allow next;
-2. greedy requests (temperature == 0) take the argmax of the penalised logits;
+2. greedy requests (temperature 0, or below `GREEDY_TEMPERATURE_BELOW` = 1e-5, where dividing
+   by it would overflow) take the argmax of the penalised logits;
 3. otherwise: temperature, then top-k, then top-p over the top-k distribution (the smallest
    prefix of the sorted distribution whose mass reaches top_p; the top token is always kept),
    then min-p (drop tokens with prob < min_p * max_prob), then one draw from the request's
@@ -51,7 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.device_sampling import sample_rows, simple_enough
+from kernels.device_sampling import (
+    GREEDY_TEMPERATURE_BELOW,  # noqa: F401 (re-exported)
+    is_greedy_temperature,
+    sample_rows,
+    simple_enough,
+)
 
 # First candidate count tried when a top-p row has no top-k; grows x16 (then to the whole
 # vocabulary) until the nucleus fits.
@@ -99,7 +105,7 @@ class RowParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy_temperature(self.temperature)
 
     @property
     def has_penalties(self) -> bool:

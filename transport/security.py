@@ -143,16 +143,39 @@ def read_curve_secret(path: str) -> bytes:
 
 def write_curve_keypair(directory: str) -> tuple[str, str]:
     """A fresh keypair as `<directory>/zmq_server.key` (secret, mode 0600) and
-    `zmq_server.pub` (give this one to clients); their paths (public, secret)."""
+    `zmq_server.pub` (give this one to clients); their paths (public, secret).
+
+    Each file is written to a fresh temporary file in `directory` (created 0600 by
+    `mkstemp`, O_EXCL, so nothing existing is opened) and renamed over its path. Invariant:
+    the secret never lands in a pre-existing file: whatever was at the path (a file of any
+    mode, a symlink to anywhere) is replaced, never written through or followed, and a
+    crash leaves either the old file or the new one, never a partial key."""
     import os
 
     public, secret = zmq.curve_keypair()
     os.makedirs(directory, exist_ok=True)
     secret_path = os.path.join(directory, "zmq_server.key")
     public_path = os.path.join(directory, "zmq_server.pub")
-    fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret.decode() + "\n")
-    with open(public_path, "w") as f:
-        f.write(public.decode() + "\n")
+    _replace_file(secret_path, secret.decode() + "\n", 0o600)
+    _replace_file(public_path, public.decode() + "\n", 0o644)
     return public_path, secret_path
+
+
+def _replace_file(path: str, text: str, mode: int) -> None:
+    """Atomically put a regular file holding `text` with `mode` at `path` (see above)."""
+    import os
+    import tempfile
+
+    directory, name = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            os.fchmod(f.fileno(), mode)  # mkstemp made it 0600; umask does not apply
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # rename(2) replaces a symlink itself, never its target
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -13,14 +13,18 @@ the HTTP gateway (`actors.frontends.http`) and the ZeroMQ endpoint
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import math
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
+import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.runtime import Actor, ActorRef, RemoteError
@@ -43,6 +47,20 @@ from transport.messages.engine import (
 from transport.messages.sessions import CloseSession, GetSession, OpenSession, SessionInfo
 
 ERR_ENGINE_STOPPED = "engine_stopped"  # the engine stopped (or its runner failed) mid-request
+
+
+def engine_session_id(api_key: str, session_id: str) -> str:
+    """The engine's name for the client's session `session_id` under `api_key` ("" when the
+    server has no keys): HMAC-SHA256(key, id), 32 hex digits.
+
+    Invariant (sessions bound to the key that opened them): clients only ever see their own
+    ids, the engine (sessions actor, tokenizer, allocator, their logs) only these names, and
+    a frontend maps one to the other with the key the request authorized with. The same id
+    under another key is another name, one no session has: a 404 everywhere (HTTP and
+    ZeroMQ, session calls and turns alike), with nothing to compare or race. The name does
+    not reveal the id, so an engine log line holding it cannot be replayed."""
+    digest = hmac.new(api_key.encode(), b"kvactor-session:" + session_id.encode(), hashlib.sha256)
+    return digest.hexdigest()[:32]
 
 
 class GenerationError(Exception):
@@ -184,9 +202,11 @@ class EngineClient:
         chat_template_kwargs: dict | None = None,
         session_id: str = "",
         tools: list[dict] | None = None,
+        session_key: str = "",
     ) -> AsyncIterator[OutputChunk]:
         """The chunks of one request. With `session_id` it is a turn of that streaming
-        session: the prompt is the whole conversation, the session's KV is reused."""
+        session (opened under API key `session_key`): the prompt is the whole conversation,
+        the session's KV is reused."""
         rid = client_rid or self.new_rid()
         recv = self.router.open(rid)
         finished = False
@@ -203,7 +223,7 @@ class EngineClient:
                         add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message,
                         chat_template_kwargs=chat_template_kwargs or {},
-                        session_id=session_id,
+                        session_id=engine_session_id(session_key, session_id) if session_id else "",
                         tools=tools or [],
                     ),
                     expect=Accepted,
@@ -231,25 +251,36 @@ class EngineClient:
                     await self.tokenizer.send(AbortGeneration(client_rids=[rid]))
 
     # ---- streaming sessions ----------------------------------------------------------------
-    async def open_session(self, ttl_s: float = 0.0, max_tokens: int = 0) -> SessionInfo:
+    # Sessions are owned by an API key (`key`, "" without keys): see `engine_session_id`.
+    async def open_session(
+        self, ttl_s: float = 0.0, max_tokens: int = 0, key: str = ""
+    ) -> SessionInfo:
         """A new session (ttl_s: idle timeout, 0 = the server's default; max_tokens: the
-        conversation's capacity, 0 = the context length)."""
-        return await self._session_call(OpenSession(ttl_s=ttl_s, max_tokens=max_tokens))
+        conversation's capacity, 0 = the context length), usable under `key` only."""
+        session_id = secrets.token_hex(12)  # the client's id; the engine gets its name
+        msg = OpenSession(
+            ttl_s=ttl_s, max_tokens=max_tokens, session_id=engine_session_id(key, session_id)
+        )
+        return await self._session_call(msg, session_id)
 
-    async def get_session(self, session_id: str) -> SessionInfo:
-        return await self._session_call(GetSession(session_id=session_id))
+    async def get_session(self, session_id: str, key: str = "") -> SessionInfo:
+        name = engine_session_id(key, session_id)
+        return await self._session_call(GetSession(session_id=name), session_id)
 
-    async def close_session(self, session_id: str) -> SessionInfo:
+    async def close_session(self, session_id: str, key: str = "") -> SessionInfo:
         """Close it and release its KV (at the end of a running turn, if one runs)."""
-        return await self._session_call(CloseSession(session_id=session_id))
+        name = engine_session_id(key, session_id)
+        return await self._session_call(CloseSession(session_id=name), session_id)
 
-    async def _session_call(self, msg) -> SessionInfo:
+    async def _session_call(self, msg, session_id: str) -> SessionInfo:
+        """The sessions actor's answer to `msg`, naming the session by the client's id."""
         if self.sessions is None:
             raise GenerationError("session_not_found", "this engine runs without sessions")
         try:
-            return await self.sessions.call(msg, expect=SessionInfo)
+            info = await self.sessions.call(msg, expect=SessionInfo)
         except RemoteError as exc:
             raise GenerationError(exc.reply.code, exc.reply.message) from None
+        return msgspec.structs.replace(info, session_id=session_id)
 
     async def tokenize(self, **request) -> TokenizeReply:
         """Token ids of a prompt or of chat messages (TokenizeRequest's fields)."""

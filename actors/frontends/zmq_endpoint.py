@@ -20,8 +20,10 @@ Invariants:
   connection closes, or stops answering ZeroMQ heartbeats, the socket monitor reports it
   and the request ends at once, streaming or not. A later peer that presents the same
   routing id never receives it.
-* With an API key, every frame must carry it; with a CURVE secret, the socket is a CURVE
-  server (clients need its public key).
+* With API keys, every frame must carry one of them; with a CURVE secret, the socket is a
+  CURVE server (clients need its public key).
+* A streaming session belongs to the API key that opened it (`engine_session_id`): under
+  another key it does not exist (session_not_found), as on HTTP; with no keys, anyone's.
 """
 
 from __future__ import annotations
@@ -109,12 +111,13 @@ class ZmqEndpointActor(FrontendActor):
         self,
         address: str,
         tokenizer: str = "tokenizer",
-        api_key: str | None = None,
+        api_key: str | list[str] | None = None,
         curve_secret_file: str | None = None,
     ) -> None:
         super().__init__(tokenizer)
         self.address = address
-        self._api_key = api_key.encode() if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self._api_keys = [k.encode() for k in keys if k]  # any of them; none: no auth
         # CURVE on the client socket: clients need the server's public key (encryption and
         # server identity); who may submit is still decided by the API key.
         self._curve_secret = read_curve_secret(curve_secret_file) if curve_secret_file else None
@@ -227,25 +230,30 @@ class ZmqEndpointActor(FrontendActor):
             self.counters["malformed"] += 1
             self._error(identity, ERR_MALFORMED, f"undecodable frame: {message}"[:2000])
             return
-        if self._api_key is not None and not hmac.compare_digest(
-            (message.api_key or "").encode(), self._api_key
-        ):
-            self.counters["unauthorized"] += 1
-            self._error(identity, ERR_UNAUTHORIZED, "missing or wrong api_key", message.request_id)
-            return
+        key = ""  # the configured key the frame carries: it owns the sessions it opens
+        if self._api_keys:
+            given = (message.api_key or "").encode()
+            matched = [k for k in self._api_keys if hmac.compare_digest(given, k)]
+            if not matched:
+                self.counters["unauthorized"] += 1
+                self._error(
+                    identity, ERR_UNAUTHORIZED, "missing or wrong api_key", message.request_id
+                )
+                return
+            key = matched[0].decode()
         routes = self.clients.get(identity)
         if routes and any(route.fd != fd for route in routes.values()):
             # A new connection took over this routing id: the old one is gone (its close
             # may not have been reported yet), and so are its requests.
             self._end_routes([r for r in routes.values() if r.fd != fd])
         if isinstance(message, ClientSubmit):
-            self._on_submit(identity, message, fd)
+            self._on_submit(identity, message, fd, key)
         elif isinstance(message, ClientAbort):
             route = self.clients.get(identity, {}).get(message.request_id)
             if route is not None:
                 self._abort(route)
         elif isinstance(message, ClientSession):
-            self.spawn(self._session_op, identity, message)
+            self.spawn(self._session_op, identity, message, key)
 
     def _on_connection_closed(self, fd: int) -> None:
         gone = [r for routes in self.clients.values() for r in routes.values() if r.fd == fd]
@@ -261,7 +269,7 @@ class ZmqEndpointActor(FrontendActor):
             route.scope.cancel()  # the request's task aborts it in the engine
             self._forget(route)
 
-    def _on_submit(self, identity: bytes, msg: ClientSubmit, fd: int = -1) -> None:
+    def _on_submit(self, identity: bytes, msg: ClientSubmit, fd: int = -1, key: str = "") -> None:
         rid = msg.request_id
         if not self.accepting:
             self._error(identity, ERR_SHUTTING_DOWN, "the engine is shutting down", rid)
@@ -281,9 +289,9 @@ class ZmqEndpointActor(FrontendActor):
         route = _Route(identity, rid, f"{self._prefix}-{next(self._ids)}", msg.stream, fd)
         routes[rid] = route
         self.counters["submitted"] += 1
-        self.spawn(self._run, route, msg)
+        self.spawn(self._run, route, msg, key)
 
-    async def _run(self, route: _Route, msg: ClientSubmit) -> None:
+    async def _run(self, route: _Route, msg: ClientSubmit, key: str = "") -> None:
         """One request, from submit to its final frame; leaving early aborts it."""
         assert self.client is not None
         try:
@@ -295,6 +303,7 @@ class ZmqEndpointActor(FrontendActor):
                     messages=msg.messages,
                     client_rid=route.engine_rid,
                     session_id=msg.session_id,
+                    session_key=key,
                 )
                 async with contextlib.aclosing(stream):
                     async for chunk in stream:
@@ -310,16 +319,17 @@ class ZmqEndpointActor(FrontendActor):
         finally:
             self._forget(route)
 
-    async def _session_op(self, identity: bytes, msg: ClientSession) -> None:
-        """Open, inspect or close a session: one ClientSessionInfo or ClientError."""
+    async def _session_op(self, identity: bytes, msg: ClientSession, key: str = "") -> None:
+        """Open, inspect or close a session (owned by `key`): one ClientSessionInfo or
+        ClientError."""
         assert self.client is not None
         try:
             if msg.op == "open":
-                info = await self.client.open_session(msg.ttl_s, msg.max_tokens)
+                info = await self.client.open_session(msg.ttl_s, msg.max_tokens, key)
             elif msg.op == "get":
-                info = await self.client.get_session(msg.session_id)
+                info = await self.client.get_session(msg.session_id, key)
             else:
-                info = await self.client.close_session(msg.session_id)
+                info = await self.client.close_session(msg.session_id, key)
         except GenerationError as exc:
             self._error(identity, _client_code(exc.code), exc.message, msg.request_id)
             return

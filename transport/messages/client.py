@@ -34,6 +34,8 @@ Client -> engine
                 `session_id` is a turn of that session: its prompt is the whole
                 conversation, and the KV the session kept from the last turn serves the
                 common prefix. One turn at a time per session ("session_busy" otherwise).
+                A session belongs to the API key of the frame that opened it: under any
+                other key it does not exist ("session_not_found"), on HTTP as here.
 
 Engine -> client
 ----------------
@@ -45,8 +47,8 @@ Engine -> client
                 follow for it); with `request_id = None` it answers a frame that could not
                 be decoded at all. `code` is one of the ERR_* values below.
 
-With `--api-key`, every ClientSubmit and ClientAbort must carry it in `api_key`
-(ClientError "unauthorized" otherwise). A client that disconnects (its socket closes, or
+With `--api-key`, every ClientSubmit, ClientAbort and ClientSession must carry a key in
+`api_key` (ClientError "unauthorized" otherwise). A client that disconnects (its socket closes, or
 stops answering ZeroMQ heartbeats) has its live requests aborted at once, streaming or not;
 a new socket that takes over a departed client's routing id never receives that client's
 output. A client

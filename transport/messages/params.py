@@ -25,6 +25,7 @@ MAX_LOGIT_BIAS_ENTRIES: Final = 1024
 MAX_ABS_LOGIT_BIAS: Final = 100.0
 MAX_CONSTRAINT_CHARS: Final = 256 * 1024  # a schema, regex or grammar's text
 MAX_CHOICES: Final = 1024
+MAX_CACHE_SALT_CHARS: Final = 256
 CONSTRAINT_KINDS: Final = (
     "json_object",
     "json_schema",
@@ -72,6 +73,9 @@ class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # (None: off); such a request does not use the prefix cache (its logits are needed)
     prompt_logprobs: int | None = None
     constraint: OutputConstraint | None = None
+    # Prefix-cache isolation (vLLM's `cache_salt`): requests share cached KV pages only
+    # with requests of the same salt ("" is the shared default namespace).
+    cache_salt: str = ""
 
 
 class InvalidParams(ValueError):
@@ -164,6 +168,11 @@ def validate_params(p: GenerationParams, vocab_size: int | None = None) -> None:
         p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_TOP_LOGPROBS,
         "prompt_logprobs",
         f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.prompt_logprobs}",
+    )
+    check(
+        len(p.cache_salt) <= MAX_CACHE_SALT_CHARS,
+        "cache_salt",
+        f"at most {MAX_CACHE_SALT_CHARS} characters, got {len(p.cache_salt)}",
     )
     if p.constraint is not None:
         _check_constraint(p.constraint, p.ignore_eos, check)

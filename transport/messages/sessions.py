@@ -2,7 +2,9 @@
 
 A session keeps a conversation's KV at the allocator between turns (see
 `actors/sessions.py`); these messages open, inspect and close it, and bracket each turn.
-Session ids are opaque strings chosen by the sessions actor.
+Session ids here are the engine's names of sessions: the frontends derive them from the
+client's id and its API key (`actors.frontends.base.engine_session_id`), so a client's id
+never reaches the engine and a session is only found under the key that opened it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transport.messages.client import (  # noqa: F401 (re-exported)
 class OpenSession(Message):
     ttl_s: float = 0.0  # idle seconds before the session closes itself; 0: the default
     max_tokens: int = 0  # conversation tokens the session may hold; 0: the context length
+    session_id: str = ""  # its name (a frontend's engine_session_id); "": the actor picks one
 
 
 class SessionInfo(Message):

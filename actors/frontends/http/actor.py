@@ -59,7 +59,7 @@ class GatewayActor(FrontendActor):
         self,
         host: str = "127.0.0.1",
         port: int = 8000,
-        api_key: str | None = None,
+        api_key: str | list[str] | None = None,  # any of several keys
         model_names: Sequence[str] = ("gemma-3-270m",),
         context_len: int = 4096,
         watched_actors: Sequence[str] = (),

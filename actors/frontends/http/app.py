@@ -37,6 +37,7 @@ from actors.frontends.http.errors import (
     ErrorBody,
     from_decode_error,
     from_generation_error,
+    too_deep,
 )
 from actors.frontends.http.generation import (
     ChatRenderer,
@@ -149,7 +150,7 @@ class GatewayApp:
         client: EngineClient,
         model_names: list[str],
         context_len: int,
-        api_key: str | None,
+        api_key: str | list[str] | None,
         health: HealthProbe,
         stats: StatsProbe,
         metrics: GatewayMetrics | None = None,
@@ -170,7 +171,9 @@ class GatewayApp:
         self.allowed_origins = set(allowed_origins or ())
         self.keepalive_s = keepalive_s
         self._warned_fields: set[str] = set()
-        self._api_key = api_key.encode() if api_key else None
+        # Any of these keys opens /v1/* (vLLM's --api-key takes several); none: no auth.
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self._api_keys = [k.encode() for k in keys if k]
         self.health = health
         self.stats = stats
         self.metrics = metrics or GatewayMetrics(self.model_name, context_len)
@@ -240,7 +243,8 @@ class GatewayApp:
                 headers=[(b"allow", ", ".join(methods).encode())],
             )
         if path.startswith("/v1/"):
-            self._authorize(scope)
+            # The key a request authorized with owns the sessions it opens (below).
+            scope["kvactor.api_key"] = self._authorize(scope)
         if method == "POST" and path in _GENERATION_PATHS and not self.accepting():
             raise ApiError(
                 503,
@@ -281,9 +285,11 @@ class GatewayApp:
         await send({"type": "http.response.start", "status": 204, "headers": headers})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    def _authorize(self, scope: Scope) -> None:
-        if self._api_key is None:
-            return
+    def _authorize(self, scope: Scope) -> str:
+        """The configured key the request carries ("" when no keys are configured); 401
+        without one."""
+        if not self._api_keys:
+            return ""
         given = _header(scope, b"authorization")
         scheme, _, token = (given or b"").partition(b" ")
         if given is None:
@@ -293,14 +299,18 @@ class GatewayApp:
                 code="invalid_api_key",
                 headers=[(b"www-authenticate", b"Bearer")],
             )
-        # RFC 7235: the scheme is case-insensitive ("bearer", "BEARER" work too).
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._api_key):
+        # RFC 7235: the scheme is case-insensitive ("bearer", "BEARER" work too). Every key is
+        # compared (in constant time each), so the time taken says nothing about which.
+        token = token.strip()
+        matched = [k for k in self._api_keys if hmac.compare_digest(token, k)]
+        if scheme.lower() != b"bearer" or not matched:
             raise ApiError(
                 401,
                 "Incorrect API key provided.",
                 code="invalid_api_key",
                 headers=[(b"www-authenticate", b"Bearer")],
             )
+        return matched[0].decode()
 
     # ---- bodies ------------------------------------------------------------------------------
 
@@ -359,9 +369,11 @@ class GatewayApp:
             raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
         try:
             req = msgspec.json.decode(body, type=schema)
+            self._warn_unknown_fields(body, schema)
         except msgspec.DecodeError as exc:
             raise from_decode_error(exc, body) from None
-        self._warn_unknown_fields(body, schema)
+        except RecursionError:  # msgspec's own nesting limit (about 1,000 levels)
+            raise too_deep("request body") from None
         return req
 
     def _warn_unknown_fields(self, body: bytes, schema: type) -> None:
@@ -397,7 +409,7 @@ class GatewayApp:
             echo=bool(req.echo),
             prompt_logprobs=req.prompt_logprobs is not None,
         )
-        await self._generate(receive, send, jobs, renderer, bool(req.stream), include_usage)
+        await self._generate(scope, receive, send, jobs, renderer, bool(req.stream), include_usage)
 
     async def _chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         req: ChatCompletionRequest = self._decode(
@@ -412,7 +424,7 @@ class GatewayApp:
             request_id=scope["kvactor.request_id"],
             parse_tools=jobs[0].parses_tools,
         )
-        await self._generate(receive, send, jobs, renderer, bool(req.stream), include_usage)
+        await self._generate(scope, receive, send, jobs, renderer, bool(req.stream), include_usage)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         cards = [self._card(name) for name in self.model_names]
@@ -470,13 +482,18 @@ class GatewayApp:
     async def _open_session(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await self._read_body(scope, receive)
         req: SessionCreate = self._decode(body if body.strip() else b"{}", SessionCreate)
-        await self._session_reply(send, self.client.open_session(req.ttl_s, req.max_tokens))
+        key = scope.get("kvactor.api_key", "")
+        await self._session_reply(send, self.client.open_session(req.ttl_s, req.max_tokens, key))
 
+    # A session opened under one API key does not exist under another: EngineClient names
+    # it for the engine by (key, id), so another key names a session that is not there (404).
     async def _get_session(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._session_reply(send, self.client.get_session(_session_id(scope)))
+        key = scope.get("kvactor.api_key", "")
+        await self._session_reply(send, self.client.get_session(_session_id(scope), key))
 
     async def _close_session(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._session_reply(send, self.client.close_session(_session_id(scope)))
+        key = scope.get("kvactor.api_key", "")
+        await self._session_reply(send, self.client.close_session(_session_id(scope), key))
 
     async def _session_reply(self, send: Send, pending: Awaitable) -> None:
         try:
@@ -521,6 +538,7 @@ class GatewayApp:
 
     async def _generate(
         self,
+        scope: Scope,
         receive: Receive,
         send: Send,
         jobs: list[Job],
@@ -539,7 +557,7 @@ class GatewayApp:
             tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
             async with tx:
                 for job in jobs:
-                    tg.start_soon(self._pump, job, tx.clone())
+                    tg.start_soon(self._pump, job, scope.get("kvactor.api_key", ""), tx.clone())
             early: list[_Event] = []
             accepted = 0
             # Nothing is sent before every choice is accepted: a refusal is a plain 400.
@@ -574,13 +592,15 @@ class GatewayApp:
         except GenerationError as exc:
             raise from_generation_error(exc) from None
 
-    async def _pump(self, job: Job, tx: MemoryObjectSendStream[_Event]) -> None:
+    async def _pump(self, job: Job, api_key: str, tx: MemoryObjectSendStream[_Event]) -> None:
         """Run one choice; every outcome is an event (never an exception in the group)."""
         async with tx:
             try:
+                session = {"session_key": api_key} if job.prompt.get("session_id") else {}
                 gen = self.client.generate(
                     job.params,
                     **job.prompt,
+                    **session,
                     on_accepted=lambda _: _post(tx, _Event(job.index, _ACCEPTED)),
                 )
                 async with contextlib.aclosing(gen):
@@ -661,7 +681,40 @@ class GatewayApp:
         outcome: _Outcome,
     ) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        out = [sse_event(o) for job in jobs if (o := renderer.opening(job.index)) is not None]
+        out: list[bytes] = []
+        remaining = len(jobs)
+        try:
+            out += [sse_event(o) for job in jobs if (o := renderer.opening(job.index)) is not None]
+            remaining = await self._stream_events(
+                send, rx, early, jobs, states, renderer, started, out
+            )
+            if include_usage and not remaining:
+                out.append(sse_event(renderer.usage_event(usage_of(jobs, states))))
+        except Exception as exc:
+            # Invariant: a stream that started always ends with an error event or its last
+            # chunk, then [DONE]; a failure here (a rendering bug) must not cut it silently.
+            _log.error("stream failed after its response started", exc_info=exc)
+            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER_ERROR)
+            out.append(sse_event(ErrorBody(error=error.detail)))
+            self.metrics.count_error(error.status)
+        out.append(DONE_EVENT)
+        outcome.completed = True
+        outcome.succeeded = not remaining
+        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+
+    async def _stream_events(
+        self,
+        send: Send,
+        rx: MemoryObjectReceiveStream[_Event],
+        early: list[_Event],
+        jobs: list[Job],
+        states: list[ChoiceState],
+        renderer: Renderer,
+        started: float,
+        out: list[bytes],
+    ) -> int:
+        """Stream chunks until every choice finished or one failed; how many did not finish.
+        Events not yet sent are left in `out`."""
         remaining = len(jobs)
         queue = list(early)
         while remaining:
@@ -699,12 +752,7 @@ class GatewayApp:
             if delta is not None:
                 out.append(sse_event(delta))
             remaining -= event.chunk.finish_reason is not None
-        if include_usage and not remaining:
-            out.append(sse_event(renderer.usage_event(usage_of(jobs, states))))
-        out.append(DONE_EVENT)
-        outcome.completed = True
-        outcome.succeeded = not remaining
-        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+        return remaining
 
 
 async def _next_event(rx: MemoryObjectReceiveStream[_Event]) -> _Event:

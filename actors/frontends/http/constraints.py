@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from actors.frontends.http.errors import ApiError
+from actors.frontends.http.errors import ApiError, too_deep
 from actors.frontends.http.schemas import ChatCompletionRequest, SamplingRequest
 from actors.tool_calls import Tool, ToolSpecError, resolve_tool_choice, tool_constraint
 from transport.messages.params import OutputConstraint
@@ -85,9 +85,14 @@ def _json_schema(schema: Any, param: str) -> OutputConstraint:
             raise ApiError(
                 400, f"{param}: the schema is not valid JSON: {exc}", param=param
             ) from None
+        except RecursionError:
+            raise too_deep(f"{param}: the schema", param) from None
     if not isinstance(schema, dict):
         raise ApiError(400, f"{param}: the schema must be a JSON object", param=param)
-    return OutputConstraint(kind="json_schema", spec=json.dumps(schema))
+    try:
+        return OutputConstraint(kind="json_schema", spec=json.dumps(schema))
+    except RecursionError:
+        raise too_deep(f"{param}: the schema", param) from None
 
 
 def tool_setup(req: ChatCompletionRequest) -> tuple[str, list[Tool], OutputConstraint | None]:

@@ -87,6 +87,13 @@ def from_decode_error(exc: msgspec.DecodeError, body: bytes) -> ApiError:
     return ApiError(400, f"request body is not valid JSON: {text}", code="invalid_json")
 
 
+def too_deep(what: str, param: str | None = None) -> ApiError:
+    """The 400 for JSON nested deeper than the decoder's limit (a RecursionError there)."""
+    return ApiError(
+        400, f"{what} is nested too deeply (JSON depth limit)", param=param, code="invalid_json"
+    )
+
+
 def from_generation_error(exc: GenerationError) -> ApiError:
     """The engine refused a request: bad input is a 400, a full queue a 429 (retry after a
     second), an unknown session 404, a session already running a turn 409, an engine that

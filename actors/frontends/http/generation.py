@@ -173,6 +173,9 @@ def _params(
 ) -> GenerationParams:
     check_supported(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if req.cache_salt is not None and not req.cache_salt:
+        # As vLLM: an explicit salt must be non-empty ("" is the shared, unsalted cache).
+        raise ApiError(400, "cache_salt: must be a non-empty string if given", param="cache_salt")
 
     def given(value: Any, name: str, engine_default: Any) -> Any:
         return defaults.get(name, engine_default) if value is None else value
@@ -198,6 +201,7 @@ def _params(
         logit_bias=_logit_bias(req.logit_bias),
         prompt_logprobs=prompt_logprobs,
         constraint=constraint,
+        cache_salt=req.cache_salt or "",
     )
 
 

@@ -128,6 +128,9 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     # kvactor: a turn of this streaming session (POST /v1/sessions); the request carries the
     # whole conversation and the session's KV serves the part it already holds
     session_id: str | None = None
+    # vLLM's prefix-cache isolation: only requests with the same salt share cached KV pages
+    # (non-empty when given; GenerationParams.cache_salt)
+    cache_salt: str | None = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
