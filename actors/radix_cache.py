@@ -54,9 +54,15 @@ class RadixCacheActor(Actor):
                 np.asarray(msg.slots, dtype=np.int64),
                 None if msg.unlock_node < 0 else msg.unlock_node,
                 msg.lock_new,
+                alive=np.asarray(msg.alive, dtype=bool) if msg.alive else None,
+                need_alive_from=None if msg.need_alive_from < 0 else msg.need_alive_from,
             )
             return InsertReply(
-                existing_len=res.existing_len, node_id=res.node_id, slots=res.slots.tolist()
+                existing_len=res.existing_len,
+                node_id=res.node_id,
+                slots=res.slots.tolist(),
+                length=res.length,
+                released=res.released.tolist(),
             )
         if isinstance(msg, UnlockNode):
             tree.dec_lock_ref(msg.node_id)
@@ -82,6 +88,7 @@ class RadixCacheActor(Actor):
                 lock_refs=snap.lock_refs,
                 evictable_tokens=snap.evictable_size,
                 protected_tokens=snap.protected_size,
+                alive=[a.tolist() for a in snap.alive],
             )
         raise TypeError(f"unexpected message {type(msg).__name__}")
 

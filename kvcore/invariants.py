@@ -18,6 +18,13 @@ leak through. Checked, for every holder (a live request or a session slot) with 
 5. Conservation: free + tree + requests + sessions == total pages, counted page by page
    with no de-duplication inside an owner, so a page owned twice (even by one owner) or
    lost is named.
+6. Locks have owners: every tree lock entry belongs to a live request holding a row, or to
+   a session slot holding a record; nothing else may lock.
+7. Sliding window (split pools): a bijection between mapped full pages and used sliding
+   pages; every page the holder's next query reads (positions from
+   kv_committed_len - window on, tree prefix included) has its sliding KV; the tree's
+   per-page alive flags equal the map; a holder's own pages below its floor are alive and
+   [floor, swa_evicted_seqlen) is dead.
 
 Failures raise `InvariantViolation` naming the owner and the pages. `check_idle` is the
 cheap check for an idle engine (counts only).
@@ -33,6 +40,7 @@ import numpy as np
 
 from kvcore.radix_tree import RadixTree, TreeSnapshot
 from kvcore.req_kv_info import ReqKvInfo
+from kvcore.slots import floor_page
 
 
 class InvariantViolation(AssertionError):
@@ -55,6 +63,7 @@ class KvSnapshot:
     swa_map: np.ndarray | None = None
     swa_free_pages: np.ndarray | None = None
     swa_total_pages: int = 0
+    swa_window: int = 0  # the sliding layers' window in tokens (0: none)
 
 
 def row_pages(rec: ReqKvInfo, table: np.ndarray, page_size: int, start: int) -> np.ndarray:
@@ -103,6 +112,7 @@ def check_invariants(snap: KvSnapshot) -> None:
     stray_rows = sorted(held_rows - set(rows_seen))
     if stray_rows:
         raise InvariantViolation(f"rows {stray_rows[:8]} are held by no request or session")
+    _check_lock_owners(snap)
     _check_tree_locks(snap)
     _check_conservation(snap, owners)
     if snap.swa_map is not None:
@@ -121,6 +131,8 @@ def check_idle(
     session_rows: int = 0,
     session_locked_tokens: int = 0,
     turns: int = 0,
+    request_locks: int = 0,
+    orphan_session_locks: int = 0,
 ) -> list[str]:
     """The cheap check of an idle engine, where only session slots may hold KV: what is
     wrong, or [] (counts only, no walk). Sessions may share locked tree prefixes, so their
@@ -130,6 +142,10 @@ def check_idle(
         problems.append(f"{records} request records left")
     if turns:
         problems.append(f"{turns} session turns still open")
+    if request_locks:
+        problems.append(f"{request_locks} tree locks of requests left")
+    if orphan_session_locks:
+        problems.append(f"{orphan_session_locks} tree locks of sessions holding no KV")
     if held_rows != session_rows:
         problems.append(f"{held_rows} rows held, {session_rows} by sessions")
     if locked_tokens > session_locked_tokens or (session_locked_tokens and not locked_tokens):
@@ -241,6 +257,24 @@ def _check_tree(snap: KvSnapshot, owners: dict[str, np.ndarray]):
     return path_of
 
 
+def _check_lock_owners(snap: KvSnapshot) -> None:
+    """A lock entry of a request without a held record, or of a session without a held
+    slot record, is a lock nobody will ever release."""
+    for rid in snap.lock_nodes:
+        rec = snap.records.get(rid)
+        if rec is None or not rec.is_held:
+            raise InvariantViolation(
+                f"tree node {snap.lock_nodes[rid]} is locked for request {rid!r}, which holds no KV"
+            )
+    for sid in snap.session_lock_nodes:
+        rec = snap.session_records.get(sid)
+        if rec is None or not rec.is_held:
+            raise InvariantViolation(
+                f"tree node {snap.session_lock_nodes[sid]} is locked for session {sid!r}, "
+                "which holds no KV"
+            )
+
+
 def _check_tree_locks(snap: KvSnapshot) -> None:
     """Each node's lock_ref is the number of live locks at or below it, and the tree's sizes
     follow from them."""
@@ -336,9 +370,33 @@ def _check_swa(snap: KvSnapshot, holders) -> None:
     stale = full_free[smap[full_free] > 0]
     if stale.size:
         raise InvariantViolation(f"free full pages {stale[:8].tolist()} have sliding pages")
+    tree = snap.tree
+    if tree is not None and tree.alive:
+        for nid, value, alive in zip(tree.ids, tree.values, tree.alive):
+            pages = np.asarray(value[::ps], dtype=np.int64) // ps
+            wrong = np.flatnonzero((smap[pages] > 0) != np.asarray(alive, dtype=bool))
+            if wrong.size:
+                k = int(wrong[0])
+                raise InvariantViolation(
+                    f"tree node {nid}: page {int(pages[k])} is marked "
+                    f"{'alive' if alive[k] else 'dead'} but its sliding page is "
+                    f"{int(smap[pages[k]])}"
+                )
     for who, rec, _lock in holders:
         if rec.req_pool_idx is None:
             continue
+        if snap.swa_window:
+            # The next query (at kv_committed_len at the latest) reads from here on, over
+            # the whole row: the tree's prefix as much as the holder's own pages.
+            start = floor_page(max(rec.kv_committed_len - snap.swa_window, 0), ps)
+            pages = row_pages(rec, snap.table, ps, start)
+            if pages.size and (smap[pages] == 0).any():
+                k = int(np.flatnonzero(smap[pages] == 0)[0])
+                raise InvariantViolation(
+                    f"{who}: position {start + k * ps} lies in the window its next query reads "
+                    f"(from {rec.kv_committed_len - snap.swa_window}) but its page "
+                    f"{int(pages[k])} has no sliding KV"
+                )
         evicted = rec.swa_evicted_seqlen
         if evicted % ps:
             raise InvariantViolation(f"{who}: swa_evicted_seqlen {evicted} is not page-aligned")

@@ -13,13 +13,20 @@ locked and holds no tokens.
 Node ids are stable: a split inserts a new *upper* node and keeps the id of
 the lower part, so an id handed to a request stays valid while it is locked
 (locked nodes are never evicted).
+
+Sliding-window state: every page of a node is *alive* (its sliding-layer KV exists) or
+*dead* (a tombstone: the window freed its sliding KV; full layers still have it). Pages
+enter the tree with the state the inserter gives; an insert whose own page for a dead tree
+page is alive *heals* it (the tree takes the fresh page and hands the dead one back to be
+freed) when no holder reads the old page (the node is unlocked). The allocator's checker
+holds this state equal to the sliding page map.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,12 +36,21 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class _Node:
-    __slots__ = ("id", "key", "value", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("id", "key", "value", "alive", "children", "parent", "lock_ref", "last_access")
 
-    def __init__(self, node_id: int, key: np.ndarray, value: np.ndarray, parent: _Node | None):
+    def __init__(
+        self,
+        node_id: int,
+        key: np.ndarray,
+        value: np.ndarray,
+        parent: _Node | None,
+        alive: np.ndarray | None = None,
+    ):
         self.id = node_id
         self.key = key
         self.value = value
+        # per page of the node: its sliding-window KV exists (False: a tombstone)
+        self.alive = alive if alive is not None else np.zeros(0, dtype=bool)
         self.children: dict[object, _Node] = {}
         self.parent = parent
         self.lock_ref = 0
@@ -51,8 +67,12 @@ class MatchResult:
 @dataclass(frozen=True, slots=True)
 class InsertResult:
     existing_len: int  # tokens of the key that were already in the tree before this insert
-    node_id: int  # node ending at the inserted key's (page-floored) end
-    slots: np.ndarray  # the tree's slots for the whole inserted key (old ones where it existed)
+    node_id: int  # node ending at `length`
+    slots: np.ndarray  # the tree's slots for the key's first `length` tokens (after healing)
+    length: int = -1  # tokens inserted (the key's page-floored end unless cut); set always
+    # Slots of dead pages the insert healed (replaced by the caller's live ones): no holder
+    # reads them any more; the caller frees their pages.
+    released: np.ndarray = field(default_factory=lambda: _EMPTY.copy())
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +91,7 @@ class TreeSnapshot:
     lock_refs: list[int]
     evictable_size: int
     protected_size: int
+    alive: list[np.ndarray] = field(default_factory=list)  # per node, per page
 
     def path_slots(self, node_id: int) -> np.ndarray:
         """Slots of every token from the root down to `node_id` (empty for the root)."""
@@ -131,6 +152,7 @@ class RadixTree:
             lock_refs=[n.lock_ref for n in nodes],
             evictable_size=self.evictable_size,
             protected_size=self.protected_size,
+            alive=[n.alive.copy() for n in nodes],
         )
 
     def locked_node_ids(self) -> list[int]:
@@ -159,19 +181,34 @@ class RadixTree:
         slots = np.concatenate(parts) if parts else _EMPTY.copy()
         return MatchResult(pos, slots, node.id)
 
-    def insert(self, tokens, slots) -> InsertResult:
-        """Insert the page-floored prefix of `tokens` with their `slots`.
+    def insert(self, tokens, slots, alive=None, need_alive_from: int | None = None) -> InsertResult:
+        """Insert the page-floored prefix of `tokens` with their `slots`; `alive` says per
+        page whether the caller's sliding KV exists (None: every page's does).
 
-        Where the tree already holds a prefix, it keeps its own slots: the caller's
-        slots for [0, existing_len) are duplicates the caller must free (except the
-        ones it had matched from the tree in the first place).
+        Where the tree already holds a prefix it keeps its own slots: the caller's slots
+        there that differ are duplicates the caller frees (except the ones it had matched
+        from the tree in the first place). One exception heals the tree: a dead tree page
+        whose caller page is alive, in a node nobody locks, takes the caller's page, and
+        the dead one comes back in `released`.
+
+        `need_alive_from`: the caller will read sliding KV from this position on (its next
+        queries' window), so the insert stops (`length` < the key's end) at the first tree
+        page from there that the caller would take from the tree dead and cannot heal.
         """
         key = np.asarray(tokens, dtype=np.int64)
         val = np.asarray(slots, dtype=np.int64)
         if len(val) < len(key):
             raise ValueError(f"{len(key)} tokens but only {len(val)} slots")
-        end = floor_page(len(key), self.page_size)
-        node, pos, parts = self._root, 0, []
+        ps = self.page_size
+        end = floor_page(len(key), ps)
+        alive_in = (
+            np.ones(end // ps, dtype=bool)
+            if alive is None
+            else np.asarray(alive, dtype=bool)[: end // ps]
+        )
+        if alive_in.size < end // ps:
+            raise ValueError(f"{alive_in.size} page states for {end // ps} pages")
+        node, pos, parts, released = self._root, 0, [], []
         now = next(self._clock)
         existing = None
         while pos < end:
@@ -180,7 +217,13 @@ class RadixTree:
             m = 0 if child is None else self._common_len(child.key, key[pos:end])
             if m == 0:
                 existing = pos
-                leaf = _Node(next(self._ids), key[pos:end].copy(), val[pos:end].copy(), node)
+                leaf = _Node(
+                    next(self._ids),
+                    key[pos:end].copy(),
+                    val[pos:end].copy(),
+                    node,
+                    alive_in[pos // ps : end // ps].copy(),
+                )
                 leaf.last_access = now
                 node.children[ck] = leaf
                 self._nodes[leaf.id] = leaf
@@ -190,12 +233,55 @@ class RadixTree:
                 break
             if m < len(child.key):
                 child = self._split(child, m)
+            stop = self._first_unhealable(child, pos, val, alive_in, need_alive_from)
+            if stop is not None:
+                if stop == 0:
+                    end = pos
+                    break
+                child = self._split(child, stop * ps)
+                end = pos + stop * ps
+            released += self._heal(child, pos, val, alive_in)
             child.last_access = now
             parts.append(child.value)
-            pos += m
+            pos += len(child.key)
             node = child
         tree_slots = np.concatenate(parts) if parts else _EMPTY.copy()
-        return InsertResult(end if existing is None else existing, node.id, tree_slots)
+        return InsertResult(
+            end if existing is None else existing,
+            node.id,
+            tree_slots,
+            pos,
+            np.concatenate(released) if released else _EMPTY.copy(),
+        )
+
+    def _first_unhealable(self, node: _Node, pos: int, val, alive_in, need_alive_from):
+        """Index of the node's first page the caller must not take (dead, its own differs
+        and cannot heal it, inside the window it will read), or None."""
+        if need_alive_from is None or node.alive.all():
+            return None
+        ps = self.page_size
+        for k in np.flatnonzero(~node.alive).tolist():
+            p = pos + k * ps
+            if p < need_alive_from or node.value[k * ps] == val[p]:
+                continue
+            if not (alive_in[p // ps] and node.lock_ref == 0):
+                return k
+        return None
+
+    def _heal(self, node: _Node, pos: int, val, alive_in) -> list[np.ndarray]:
+        """Give the node's dead pages the caller's live ones where nobody locks it; the
+        displaced slots."""
+        if node.alive.all() or node.lock_ref:
+            return []
+        ps = self.page_size
+        out = []
+        for k in np.flatnonzero(~node.alive).tolist():
+            p = pos + k * ps
+            if alive_in[p // ps] and node.value[k * ps] != val[p]:
+                out.append(node.value[k * ps : (k + 1) * ps].copy())
+                node.value[k * ps : (k + 1) * ps] = val[p : p + ps]
+                node.alive[k] = True
+        return out
 
     # ---- the allocator's two compound operations ------------------------------------------
     def match_and_lock(self, tokens) -> MatchResult:
@@ -206,14 +292,20 @@ class RadixTree:
         return result
 
     def insert_and_relock(
-        self, tokens, slots, unlock_node: int | None, lock_new: bool
+        self,
+        tokens,
+        slots,
+        unlock_node: int | None,
+        lock_new: bool,
+        alive=None,
+        need_alive_from: int | None = None,
     ) -> InsertResult:
         """`insert`, then move a request's lock from `unlock_node` to the inserted path.
 
         The new path is locked before the old one is unlocked, so no node they share is
         evictable in between.
         """
-        result = self.insert(tokens, slots)
+        result = self.insert(tokens, slots, alive, need_alive_from)
         if lock_new and result.node_id != self.ROOT_ID:
             self.inc_lock_ref(result.node_id)
         if unlock_node is not None:
@@ -287,11 +379,19 @@ class RadixTree:
     def _split(self, child: _Node, m: int) -> _Node:
         """Cut `child` at m tokens: a new upper node takes [0, m); `child` keeps the rest."""
         parent = child.parent
-        upper = _Node(next(self._ids), child.key[:m].copy(), child.value[:m].copy(), parent)
+        k = m // self.page_size
+        upper = _Node(
+            next(self._ids),
+            child.key[:m].copy(),
+            child.value[:m].copy(),
+            parent,
+            child.alive[:k].copy(),
+        )
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         child.key = child.key[m:].copy()
         child.value = child.value[m:].copy()
+        child.alive = child.alive[k:].copy()
         child.parent = upper
         upper.children[self._child_key(child.key, 0)] = child
         parent.children[self._child_key(upper.key, 0)] = upper

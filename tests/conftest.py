@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvcore.req_kv_info import enable_write_guard
+
+# Every test runs with the record write guard on: a ReqKvInfo written outside the ledger's
+# own context raises (tests that plant a broken record use `ledger_writes()`).
+enable_write_guard()
+
 
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:

@@ -15,6 +15,7 @@ from actors.allocator.ledger import KvLedger, SlotDelta, SwaMapDelta
 from actors.allocator.remote_port import RemotePrefixPort
 from actors.runtime import Actor
 from kvcore import InvariantViolation, PagePool, ReqToTokenTable, SwaPages
+from kvcore.req_kv_info import enable_write_guard
 from transport.messages.alloc import (
     AllocDecode,
     AllocDecodeReply,
@@ -41,17 +42,27 @@ from transport.messages.alloc import (
 
 
 def pack_deltas(deltas: list[SlotDelta | SwaMapDelta]) -> SlotDeltas:
+    """One message's deltas. Map changes are applied as one indexed write on the runner,
+    so each full page appears once, with its last value in `deltas` order (an unmapping
+    followed by a new mapping of the same page keeps the mapping)."""
     if not deltas:
         return SlotDeltas()
     rows = [d for d in deltas if isinstance(d, SlotDelta)]
     maps = [d for d in deltas if isinstance(d, SwaMapDelta)]
+    full = swa = np.zeros(0, dtype=np.int64)
+    if maps:
+        full = np.concatenate([d.full_pages for d in maps])
+        swa = np.concatenate([d.swa_pages for d in maps])
+        _, last_from_end = np.unique(full[::-1], return_index=True)
+        keep = np.sort(len(full) - 1 - last_from_end)
+        full, swa = full[keep], swa[keep]
     return SlotDeltas(
         rows=[d.row for d in rows],
         starts=[d.start for d in rows],
         lengths=[len(d.slots) for d in rows],
         slots=np.concatenate([d.slots for d in rows]).tolist() if rows else [],
-        swa_full_pages=np.concatenate([d.full_pages for d in maps]).tolist() if maps else [],
-        swa_pages=np.concatenate([d.swa_pages for d in maps]).tolist() if maps else [],
+        swa_full_pages=full.tolist(),
+        swa_pages=swa.tolist(),
     )
 
 
@@ -81,6 +92,7 @@ class AllocatorActor(Actor):
         sliding_window: int = 0,
         swa_free_step: int = 64,
         swa_free_prompt: bool = False,
+        session_max_pages: int | None = None,
     ) -> None:
         self.pool = PagePool(num_pages, page_size)
         self.table = ReqToTokenTable(max_rows, row_capacity)
@@ -95,6 +107,9 @@ class AllocatorActor(Actor):
         self.swa_free_prompt = swa_free_prompt
         self.radix_name = radix
         self.debug_checks = debug_checks
+        self.session_max_pages = session_max_pages
+        if debug_checks:
+            enable_write_guard()  # a record written outside the ledger raises
         self.ledger: KvLedger | None = None
         self.port: RemotePrefixPort | None = None
         self.idle_checks = 0
@@ -114,6 +129,7 @@ class AllocatorActor(Actor):
             window=self.sliding_window,
             swa_free_step=self.swa_free_step,
             swa_free_prompt=self.swa_free_prompt,
+            session_max_pages=self.session_max_pages,
         )
 
     async def handle(self, msg, sender):
@@ -172,6 +188,7 @@ class AllocatorActor(Actor):
                 deltas,
                 match_prefix=item.match_prefix,
                 session=item.session_id,
+                cache_salt=item.cache_salt,
             )
             if g is None:
                 grants.append(ExtendGrantItem(rid=item.rid, row=-1, cached_len=0, start=0, end=0))
@@ -223,6 +240,8 @@ class AllocatorActor(Actor):
             ts = await self.port.stats()
             tree_pages = (ts.evictable_tokens + ts.protected_tokens) // ps
             evictable = ts.evictable_tokens // ps
+        # Idle session slots are released under pressure: admission may count on them.
+        evictable += ledger.reclaimable_session_pages()
         c = ledger.counters
         return KvStats(
             page_size=ps,
@@ -248,6 +267,9 @@ class AllocatorActor(Actor):
             sessions_open=len(ledger.slots),
             session_slots=sum(1 for s in ledger.slots.values() if s.rec is not None),
             session_hit_tokens=c.session_hit_tokens,
+            swa_keeps_prompt=self.swa is not None and not self.swa_free_prompt,
+            session_reclaims=c.session_reclaims,
+            tree_heals=c.tree_heals,
         )
 
     def stats(self) -> dict[str, int | float]:

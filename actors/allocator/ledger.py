@@ -20,12 +20,36 @@ turn finds the slot as it was. While a turn runs the slot holds nothing, so the 
 counts those pages once, as the request's. An abort or retraction of the turn frees its KV
 as for any request: the slot stays empty and the next turn prefills from the prefix tree.
 
+Sessions may pin at most `session_max_pages` of their own pages: past it, and whenever an
+allocation needs pages that neither the free list nor the tree's evictable pages cover, the
+least recently used idle slot is released to the prefix tree (its pages become cached,
+evictable KV; its next turn prefills what the tree no longer holds). A request never waits
+behind idle sessions.
+
+Prefix-cache namespaces: a request's `cache_salt` turns its token ids into keys of their
+own (`kvcore.salt`) before anything compares them for reuse (the tree, session slots).
+
+Sliding-window pages in the tree: a tree page whose sliding KV was freed is dead (the
+tree records it per page). A request never takes a dead tree page into the part of its row
+that its future queries' window reads: the admission match is cut before such a window,
+and a chunk's `cache_unfinished` stops where the tree would hand one over. A finishing or
+chunked request whose own page is alive heals the tree's dead page in its place.
+
 Slot deltas: every change to a row is returned as (row, start, slots) so the
-model runner can mirror the table on its device.
+model runner can mirror the table on its device; every change to the sliding page map
+(new mappings, and unmappings as page 0) too, in order. Unmappings made by operations that
+reply with no deltas (finish, abort, retract, session close, drop) go out at the front of
+the next operation that does, before any new mapping.
+
+Every public method runs inside `ledger_writes()`: with the write guard on, a record
+written anywhere else raises.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +69,37 @@ from kvcore import (
     slots_of_pages,
     swa_idle_problems,
 )
+from kvcore.req_kv_info import ledger_writes
+from kvcore.salt import salted_tokens
+
+
+def _ledger_op(fn):
+    """Run a ledger method inside `ledger_writes()` (the only context that writes records).
+    A method that takes `deltas` ends, on every path, with the sliding pages it (or an
+    earlier operation) unmapped appended to them for the runner."""
+    signature = inspect.signature(fn)
+    takes_deltas = "deltas" in signature.parameters
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def run_async(*args, **kwargs):
+            with ledger_writes():
+                if not takes_deltas:
+                    return await fn(*args, **kwargs)
+                deltas = signature.bind(*args, **kwargs).arguments["deltas"]
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    args[0]._send_unmapped(deltas)
+
+        return run_async
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with ledger_writes():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 class LedgerError(Exception):
@@ -83,6 +138,7 @@ class SessionSlot:
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     turn: int | None = None  # the request running this session's current turn
     close_pending: bool = False  # closed during a turn: released when the turn ends
+    last_used: int = 0  # ledger clock at the last save or restore (LRU reclaim order)
 
 
 @dataclass(slots=True)
@@ -96,6 +152,8 @@ class LedgerCounters:
     session_hit_tokens: int = 0  # tokens restored from session slots at admission
     session_saves: int = 0
     swa_freed_pages: int = 0  # sliding pages freed because the window had passed them
+    session_reclaims: int = 0  # idle session slots released to the tree (cap or pressure)
+    tree_heals: int = 0  # dead tree pages replaced by a request's live ones
 
 
 @dataclass
@@ -118,7 +176,14 @@ class KvLedger:
     # freed. True: the prompt's too (the most memory; a prefix hit is then cut to where its
     # last window is intact), and prefill chunks stay the request's until it ends.
     swa_free_prompt: bool = False
+    # Own pages idle session slots may pin together (None: no cap besides the pool).
+    session_max_pages: int | None = None
     counters: LedgerCounters = field(default_factory=LedgerCounters)
+    salts: dict[int, str] = field(default_factory=dict)  # rid -> its cache_salt (if any)
+    # full pages unmapped from the sliding pool and not yet sent to the runner
+    _unmapped: list[np.ndarray] = field(default_factory=list)
+    _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _restoring: str | None = None  # the session whose slot an admission is moving now
 
     @property
     def page_size(self) -> int:
@@ -131,8 +196,14 @@ class KvLedger:
         if rec is not None and rec.is_held:
             raise LedgerError(f"request {rid} still holds row {rec.req_pool_idx}")
         self.records.pop(rid, None)
+        self.salts.pop(rid, None)
+
+    def _keys(self, rid: int, tokens: np.ndarray) -> np.ndarray:
+        """The request's tokens as prefix-cache keys (its salt's namespace)."""
+        return salted_tokens(tokens, self.salts.get(rid, ""))
 
     # ---- extend (admission and prefill chunks) -------------------------------------------
+    @_ledger_op
     async def alloc_extend(
         self,
         rid: int,
@@ -141,6 +212,7 @@ class KvLedger:
         deltas: list[SlotDelta],
         match_prefix: bool = True,
         session: str = "",
+        cache_salt: str = "",
     ) -> ExtendGrant | None:
         """Reserve and commit KV for the next prefill chunk of `rid` (at most `budget` tokens).
 
@@ -159,6 +231,12 @@ class KvLedger:
         total = len(tokens)
         rec = self.records.get(rid)
         admitting = rec is None or not rec.is_held
+        if admitting:
+            if cache_salt:
+                self.salts[rid] = cache_salt
+            else:
+                self.salts.pop(rid, None)
+        tokens = self._keys(rid, tokens)
         if admitting and session:
             slot = self.slots.get(session)
             if slot is not None and slot.rec is not None:
@@ -172,7 +250,7 @@ class KvLedger:
                 await self._release_slot_kv(session, slot, cache=True)
         cached, node, prefix_slots = 0, None, None
         if admitting:
-            if self.table.num_free_rows == 0:
+            if self.table.num_free_rows == 0 and not await self._reclaim_session():
                 return None
             if self.tree is not None and total > 1 and match_prefix:
                 match = await self.tree.match_and_lock(tokens[: total - 1])
@@ -199,7 +277,8 @@ class KvLedger:
             if rec is None:
                 rec = self.records[rid] = ReqKvInfo()
             row = self.table.alloc_row()
-            assert row is not None  # checked above; only this mailbox allocates rows
+            # checked above (reserving slots may reclaim a session, which returns its row)
+            assert row is not None
             rec.req_pool_idx = row
             rec.cache_protected_len = cached
             if self.swa is not None and not self.swa_free_prompt:
@@ -240,23 +319,22 @@ class KvLedger:
         tail_pages = pages_of_slots(tail, ps) if tail.size else tail
         end = min(len(tokens), usable + budget)
         need = self._pages_for(usable, end, open_page=usable % ps != 0)
-        if await self._shortfall(need, returning=len(tail_pages)):
-            return None
-        if len(tail_pages):
-            self._free_pages(tail_pages)
-        last = int(self.table.table[row, usable - 1])
-        new_slots = await self._reserve_slots(usable, end, last, deltas)
+        self._restoring = session  # not an idle slot to reclaim while it is being restored
+        try:
+            if await self._shortfall(need, returning=len(tail_pages)):
+                return None
+            if len(tail_pages):
+                self._free_pages(tail_pages)
+            last = int(self.table.table[row, usable - 1])
+            new_slots = await self._reserve_slots(usable, end, last, deltas)
+        finally:
+            self._restoring = None
         assert new_slots is not None  # budgeted above, and only this mailbox allocates
-        # The record moves from the slot to the request (the slot keeps no copy); a released
-        # record the request kept after a retraction is replaced.
-        self.records[rid] = rec
-        if self.swa is not None and not self.swa_free_prompt:
+        self._move_slot_to_request(session, slot, rid)
+        # The prompt keeps its sliding KV, unless the window already freed some of this
+        # record's (the floor never covers freed KV: [floor, evicted) is the freed range).
+        if self.swa is not None and not self.swa_free_prompt and rec.swa_evicted_seqlen == 0:
             rec.swa_evict_floor = len(tokens)
-        slot.rec = None
-        slot.tokens = np.zeros(0, dtype=np.int64)
-        node = self.session_lock_nodes.pop(session, None)
-        if node is not None:
-            self.lock_nodes[rid] = node
         self._start_turn(rid, session)
         self.table.write(row, usable, new_slots)
         deltas.append(SlotDelta(row, usable, new_slots))
@@ -266,6 +344,31 @@ class KvLedger:
         self.counters.session_hit_tokens += usable
         self._free_window(rec, first_query=usable)
         return ExtendGrant(rid, row, usable, usable, end)
+
+    # ---- record transfers between a request and a session slot (the audit lists both) -----
+    def _move_slot_to_request(self, session: str, slot: SessionSlot, rid: int) -> None:
+        """The slot's record (row, pages, tree lock) becomes request `rid`'s; the slot keeps
+        no reference. A released record the request kept after a retraction is replaced."""
+        rec = slot.rec
+        self.records[rid] = rec
+        slot.rec = None
+        slot.tokens = np.zeros(0, dtype=np.int64)
+        slot.last_used = next(self._clock)
+        node = self.session_lock_nodes.pop(session, None)
+        if node is not None:
+            self.lock_nodes[rid] = node
+
+    def _move_request_to_slot(self, rid: int, session: str, slot: SessionSlot, tokens) -> None:
+        """Request `rid`'s held record (row, pages, tree lock) becomes the slot's, with the
+        keys of its committed tokens; the request keeps nothing."""
+        rec = self.records.pop(rid)
+        slot.rec = rec
+        slot.tokens = np.array(tokens[: rec.kv_committed_len], dtype=np.int64)
+        slot.turn = None
+        slot.last_used = next(self._clock)
+        node = self.lock_nodes.pop(rid, None)
+        if node is not None:
+            self.session_lock_nodes[session] = node
 
     def _start_turn(self, rid: int, session: str) -> None:
         slot = self.slots.setdefault(session, SessionSlot())
@@ -284,6 +387,7 @@ class KvLedger:
             raise LedgerError(f"request {rid}: nothing left to extend")
 
     # ---- decode --------------------------------------------------------------------------
+    @_ledger_op
     async def alloc_decode(self, rids: list[int], deltas: list[SlotDelta]) -> int:
         """One slot for each request's next token, all or nothing.
 
@@ -322,30 +426,59 @@ class KvLedger:
         return recs
 
     # ---- chunked prefill: cache the finished pages of an unfinished request --------------
+    @_ledger_op
     async def cache_unfinished(self, rid: int, tokens: np.ndarray, deltas: list[SlotDelta]) -> None:
-        """Insert the committed whole pages into the tree and move the lock there."""
+        """Insert the committed whole pages into the tree and move the lock there.
+
+        Where the tree already had a page, the row takes the tree's (ours is freed), except
+        a dead tree page inside the window the next chunk reads: the tree heals it with
+        ours when nobody locks it, else the insert stops before it (our pages from there
+        stay ours)."""
         rec = self._held(rid)
         if self.tree is None or (self.swa is not None and self.swa_free_prompt):
             return  # (prefill chunks stay the request's: the window may free them)
-        aligned = floor_page(rec.kv_committed_len, self.page_size)
+        ps = self.page_size
+        aligned = floor_page(rec.kv_committed_len, ps)
         if aligned <= rec.cache_protected_len:
             return
         row = rec.req_pool_idx
         slots = self.table.read(row, 0, aligned)
+        need_alive_from = None
+        if self.swa is not None and self.window:
+            # The next chunk's first query (at kv_committed_len) reads its window from here.
+            need_alive_from = floor_page(max(rec.kv_committed_len - self.window + 1, 0), ps)
         res = await self.tree.insert(
-            tokens[:aligned], slots, unlock_node=self.lock_nodes.pop(rid, None), lock_new=True
+            self._keys(rid, tokens)[:aligned],
+            slots,
+            unlock_node=self.lock_nodes.get(rid),
+            lock_new=True,
+            alive=self._alive(slots),
+            need_alive_from=need_alive_from,
         )
+        protected, length = rec.cache_protected_len, res.length
+        if length <= protected:
+            return  # the lock stayed where it was (relocking the same node)
         self.lock_nodes[rid] = res.node_id
-        # Our slots for [protected, existing) duplicate the tree's: free ours, use the tree's.
-        dup = slots[rec.cache_protected_len : res.existing_len]
-        if dup.size:
-            self._free_pages(pages_of_slots(dup, self.page_size))
-            tree_part = res.slots[rec.cache_protected_len : res.existing_len]
-            self.table.write(row, rec.cache_protected_len, tree_part)
-            deltas.append(SlotDelta(row, rec.cache_protected_len, tree_part))
-        rec.cache_protected_len = aligned
+        self._take_tree_pages(row, slots[protected:length], res, protected, deltas)
+        rec.cache_protected_len = length
+
+    def _take_tree_pages(self, row: int | None, mine, res, start: int, deltas) -> None:
+        """After an insert of positions [start, start + len(mine)) whose tree slots are in
+        `res.slots`: free our pages the tree already had (they differ from the tree's), free
+        the dead pages the insert healed, and (with a row) point the row at the tree's."""
+        theirs = res.slots[start : start + len(mine)]
+        differ = mine != theirs
+        if differ.any():
+            self._free_pages(pages_of_slots(mine[differ], self.page_size))
+            if row is not None:
+                self.table.write(row, start, theirs)
+                deltas.append(SlotDelta(row, start, theirs))
+        if res.released.size:
+            self._free_pages(pages_of_slots(res.released, self.page_size))
+            self.counters.tree_heals += len(res.released) // self.page_size
 
     # ---- release -------------------------------------------------------------------------
+    @_ledger_op
     async def finish(self, rid: int, tokens: np.ndarray) -> None:
         """Normal finish: committed whole pages go to the tree, the rest back to the pool;
         a session's turn instead moves its whole record to the session's slot."""
@@ -357,16 +490,12 @@ class KvLedger:
             if slot is not None:
                 del self.slots[session]
             return
-        rec = self._held(rid)
-        del self.records[rid]
-        slot.rec = rec
-        slot.tokens = np.array(tokens[: rec.kv_committed_len], dtype=np.int64)
-        slot.turn = None
-        node = self.lock_nodes.pop(rid, None)
-        if node is not None:
-            self.session_lock_nodes[session] = node
+        self._held(rid)
+        self._move_request_to_slot(rid, session, slot, self._keys(rid, tokens))
         self.counters.session_saves += 1
+        await self._cap_sessions()
 
+    @_ledger_op
     async def abort(self, rid: int) -> None:
         """Abort at any stage; idempotent. Nothing is inserted into the tree; a session's
         turn leaves the session's slot empty (its KV was the request's)."""
@@ -376,6 +505,7 @@ class KvLedger:
         self._end_turn(rid)
         self.counters.aborted += 1
 
+    @_ledger_op
     async def retract(self, rid: int, tokens: np.ndarray) -> None:
         """KV pressure: cache the computed prefix in the tree, free the rest, keep the record.
 
@@ -394,7 +524,8 @@ class KvLedger:
                 del self.slots[session]
 
     async def _release(self, rid: int, tokens: np.ndarray | None) -> None:
-        await self._free_record(self._held(rid), self.lock_nodes.pop(rid, None), tokens)
+        keys = self._keys(rid, tokens) if tokens is not None else None
+        await self._free_record(self._held(rid), self.lock_nodes.pop(rid, None), keys)
 
     async def _free_record(self, rec: ReqKvInfo, node: int | None, tokens: np.ndarray | None):
         """Give back a held record's row and pages (with `tokens`, its committed whole pages
@@ -407,12 +538,15 @@ class KvLedger:
             aligned = floor_page(rec.kv_committed_len, ps)
             if aligned > rec.cache_protected_len:
                 res = await self.tree.insert(
-                    tokens[:aligned], slots[:aligned], unlock_node=node, lock_new=False
+                    tokens[:aligned],
+                    slots[:aligned],
+                    unlock_node=node,
+                    lock_new=False,
+                    alive=self._alive(slots[:aligned]),
                 )
                 node = None
-                dup = slots[rec.cache_protected_len : res.existing_len]
-                if dup.size:
-                    self._free_pages(pages_of_slots(dup, ps))
+                protected = rec.cache_protected_len
+                self._take_tree_pages(None, slots[protected:aligned], res, protected, [])
                 own_from = aligned
         if node is not None:
             await self.tree.unlock(node)
@@ -428,6 +562,7 @@ class KvLedger:
         """An empty slot for a new session (idempotent)."""
         self.slots.setdefault(sid, SessionSlot())
 
+    @_ledger_op
     async def close_slots(self, sessions: list[str]) -> int:
         """Release these sessions' slots (committed whole pages to the prefix tree, the rest
         to the pool, the row back); a slot whose turn is running is released when the turn
@@ -465,6 +600,42 @@ class KvLedger:
         """Pages pinned by session slots (their own pages, not the tree prefix they lock)."""
         return sum(self._own_pages(s.rec) for s in self.slots.values() if s.rec is not None)
 
+    def _idle_slots(self) -> list[tuple[str, SessionSlot]]:
+        """Slots holding KV between turns, least recently used first (the one being restored
+        now excluded)."""
+        idle = [
+            (sid, s)
+            for sid, s in self.slots.items()
+            if s.rec is not None and s.turn is None and sid != self._restoring
+        ]
+        return sorted(idle, key=lambda item: item[1].last_used)
+
+    def reclaimable_session_pages(self) -> int:
+        """Own pages of idle slots: released to the tree under pressure, so they count as
+        available to admission."""
+        return sum(self._own_pages(s.rec) for _, s in self._idle_slots())
+
+    async def _reclaim_session(self) -> bool:
+        """Release the least recently used idle slot to the prefix tree (its committed whole
+        pages become cached, evictable KV; the session stays open, its next turn prefills
+        what the tree lost). False: no idle slot."""
+        idle = self._idle_slots()
+        if not idle:
+            return False
+        sid, slot = idle[0]
+        await self._release_slot_kv(sid, slot, cache=True)
+        self.counters.session_reclaims += 1
+        return True
+
+    async def _cap_sessions(self) -> None:
+        """Release idle slots, least recently used first, until they pin at most
+        `session_max_pages` pages."""
+        if self.session_max_pages is None:
+            return
+        while self.session_pages() > self.session_max_pages:
+            if not await self._reclaim_session():
+                return
+
     def check_held(self, rids: list[int], need_held: list[bool] | None = None) -> None:
         """Raise `LedgerError` before a batch is applied if any item would fail: every rid
         once, and holding KV where `need_held` says so (default: all)."""
@@ -489,6 +660,7 @@ class KvLedger:
             swa_map=self.swa.map if self.swa is not None else None,
             swa_free_pages=self.swa.pool.free_pages() if self.swa is not None else None,
             swa_total_pages=self.swa.num_pages if self.swa is not None else 0,
+            swa_window=self.window if self.swa is not None else 0,
         )
 
     async def check(self) -> None:
@@ -512,6 +684,12 @@ class KvLedger:
             session_rows=len(held),
             session_locked_tokens=sum(r.cache_protected_len for r in held),
             turns=len(self.turn_session),
+            request_locks=len(self.lock_nodes),
+            orphan_session_locks=sum(
+                1
+                for sid in self.session_lock_nodes
+                if sid not in self.slots or self.slots[sid].rec is None
+            ),
         )
         if self.swa is not None:
             problems += swa_idle_problems(self.swa, self.pool.free_pages())
@@ -523,6 +701,7 @@ class KvLedger:
             problems.append(f"records (rid: row, allocated): {owners}")
         return problems
 
+    @_ledger_op
     async def drop_cache(self) -> int:
         """Forget every cached KV (its contents are gone, e.g. the runner restarted): evict
         the whole prefix tree and empty every session slot (the sessions stay open); how many
@@ -562,8 +741,8 @@ class KvLedger:
 
     async def _ensure_free(self, pages: int) -> int:
         """Make `pages` free in the full pool (and the sliding pool), evicting from the tree
-        if that suffices: 0, or the pages still missing counting every evictable one (then
-        nothing was evicted)."""
+        and then releasing idle session slots to it if that suffices: 0, or the pages still
+        missing counting every evictable and reclaimable one (then nothing changed)."""
         short = await self._shortfall(pages)
         if short:
             return short
@@ -575,17 +754,26 @@ class KvLedger:
                 return 0
             # Evicted pages whose sliding KV was already freed give no sliding page: evict on
             # until both pools have enough (`_shortfall` counted that they will).
-            freed = await self.tree.evict(missing)
-            if freed.size == 0:
+            freed = await self.tree.evict(missing) if self.tree is not None else _NO_PAGES
+            if freed.size:
+                self._free_pages(freed)
+                self.counters.evicted_pages += int(freed.size)
+            elif not await self._reclaim_session():
                 raise LedgerError(f"eviction found nothing; {missing} pages missing")
-            self._free_pages(freed)
-            self.counters.evicted_pages += int(freed.size)
 
     async def _shortfall(self, pages: int, returning: int = 0) -> int:
-        """Pages missing for an allocation of `pages` once `returning` more are freed and
-        every evictable tree page is evicted (0: it can be done); changes nothing."""
+        """Pages missing for an allocation of `pages` once `returning` more are freed, every
+        idle session slot is released and every evictable tree page is evicted (0: it can be
+        done); changes nothing."""
         short = pages - returning - self.pool.num_free
         swa_short = pages - returning - self.swa.num_free if self.swa is not None else 0
+        if short <= 0 and swa_short <= 0:
+            return 0
+        # An idle slot's own pages all end free or evictable once it is released.
+        for _, slot in self._idle_slots():
+            short -= self._own_pages(slot.rec)
+            if self.swa is not None:
+                swa_short -= int(self.swa.mapped(self._own_page_ids(slot.rec)).sum())
         if short <= 0 and swa_short <= 0:
             return 0
         if self.tree is None:
@@ -606,6 +794,12 @@ class KvLedger:
                 return swa_short - with_swa
         return 0
 
+    def _own_page_ids(self, rec: ReqKvInfo) -> np.ndarray:
+        """The physical pages of `rec`'s own part of its row."""
+        ps = self.page_size
+        row = self.table.table[rec.req_pool_idx, rec.cache_protected_len : rec.kv_allocated_len]
+        return np.asarray(row[::ps], dtype=np.int64) // ps
+
     def _alloc_pages(self, n: int, deltas: list) -> np.ndarray:
         """`n` full pages, each with a sliding page when the pools are split (the caller made
         sure both pools have them); the new mappings go in `deltas` for the runner."""
@@ -614,14 +808,42 @@ class KvLedger:
         if self.swa is not None and n:
             swa = self.swa.map_new(pages)
             assert swa is not None, "caller must ensure free sliding pages"
+            self._send_unmapped(deltas)  # a page unmapped earlier may be mapped again here
             deltas.append(SwaMapDelta(pages, swa))
         return pages
 
     def _free_pages(self, pages: np.ndarray) -> None:
         """Give full pages back, with the sliding pages they still have."""
-        if self.swa is not None:
-            self.swa.unmap(pages)
+        self._unmap(pages)
         self.pool.free(pages)
+
+    def _unmap(self, full_pages: np.ndarray) -> int:
+        """Free the sliding pages of these full pages (those that have one); the runner
+        learns it with the next deltas (`_send_unmapped`). How many were freed."""
+        if self.swa is None:
+            return 0
+        full_pages = np.asarray(full_pages, dtype=np.int64)
+        had = full_pages[self.swa.mapped(full_pages)]
+        if had.size:
+            self.swa.unmap(had)
+            self._unmapped.append(had)
+        return int(had.size)
+
+    def _send_unmapped(self, deltas: list) -> None:
+        """Pending unmappings go to the runner as mappings to the padding page 0, before
+        whatever mapping follows them in `deltas`."""
+        if self._unmapped:
+            pages = np.concatenate(self._unmapped)
+            self._unmapped.clear()
+            deltas.append(SwaMapDelta(pages, np.zeros_like(pages)))
+
+    def _alive(self, slots: np.ndarray) -> np.ndarray | None:
+        """Per page of these (page-aligned) row slots: its sliding KV exists (None: no
+        sliding pool, every page's does)."""
+        if self.swa is None:
+            return None
+        ps = self.page_size
+        return self.swa.mapped(np.asarray(slots[::ps], dtype=np.int64) // ps)
 
     def _free_window(self, rec: ReqKvInfo, first_query: int) -> None:
         """Free the sliding pages of `rec` that no query from `first_query` on can read:
@@ -637,7 +859,7 @@ class KvLedger:
         if hi - lo < self.swa_free_step:
             return
         pages = pages_of_slots(self.table.read(rec.req_pool_idx, lo, hi), ps)
-        self.counters.swa_freed_pages += self.swa.unmap(pages)
+        self.counters.swa_freed_pages += self._unmap(pages)
         rec.swa_evicted_seqlen = hi
 
     def _swa_usable(self, slots: np.ndarray, length: int) -> int:
@@ -683,6 +905,9 @@ class KvLedger:
             return rest
         head = np.arange(last_slot + 1, last_slot + 1 + in_open_page, dtype=np.int64)
         return np.concatenate([head, rest])
+
+
+_NO_PAGES = np.zeros(0, dtype=np.int64)
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:

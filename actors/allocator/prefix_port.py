@@ -22,8 +22,17 @@ class PrefixPort(Protocol):
     async def match_and_lock(self, tokens: np.ndarray) -> MatchResult: ...
 
     async def insert(
-        self, tokens: np.ndarray, slots: np.ndarray, unlock_node: int | None, lock_new: bool
-    ) -> InsertResult: ...
+        self,
+        tokens: np.ndarray,
+        slots: np.ndarray,
+        unlock_node: int | None,
+        lock_new: bool,
+        alive: np.ndarray | None = None,
+        need_alive_from: int | None = None,
+    ) -> InsertResult:
+        """`RadixTree.insert_and_relock`: the tree keeps its pages where it has them, heals
+        dead ones with the caller's live ones, and stops where `need_alive_from` says."""
+        ...
 
     async def unlock(self, node_id: int) -> None: ...
 
@@ -50,9 +59,17 @@ class LocalPrefixPort:
         return self.tree.match_and_lock(tokens)
 
     async def insert(
-        self, tokens: np.ndarray, slots: np.ndarray, unlock_node: int | None, lock_new: bool
+        self,
+        tokens: np.ndarray,
+        slots: np.ndarray,
+        unlock_node: int | None,
+        lock_new: bool,
+        alive: np.ndarray | None = None,
+        need_alive_from: int | None = None,
     ) -> InsertResult:
-        return self.tree.insert_and_relock(tokens, slots, unlock_node, lock_new)
+        return self.tree.insert_and_relock(
+            tokens, slots, unlock_node, lock_new, alive, need_alive_from
+        )
 
     async def unlock(self, node_id: int) -> None:
         self.tree.dec_lock_ref(node_id)

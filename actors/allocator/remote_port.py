@@ -32,16 +32,30 @@ class RemotePrefixPort:
         return MatchResult(r.length, np.asarray(r.slots, dtype=np.int64), r.node_id)
 
     async def insert(
-        self, tokens: np.ndarray, slots: np.ndarray, unlock_node: int | None, lock_new: bool
+        self,
+        tokens: np.ndarray,
+        slots: np.ndarray,
+        unlock_node: int | None,
+        lock_new: bool,
+        alive: np.ndarray | None = None,
+        need_alive_from: int | None = None,
     ) -> InsertResult:
         msg = InsertPrefix(
             tokens=tokens.tolist(),
             slots=slots.tolist(),
             unlock_node=-1 if unlock_node is None else unlock_node,
             lock_new=lock_new,
+            alive=[] if alive is None else np.asarray(alive, dtype=bool).tolist(),
+            need_alive_from=-1 if need_alive_from is None else need_alive_from,
         )
         r = await self.radix.call(msg, expect=InsertReply)
-        return InsertResult(r.existing_len, r.node_id, np.asarray(r.slots, dtype=np.int64))
+        return InsertResult(
+            r.existing_len,
+            r.node_id,
+            np.asarray(r.slots, dtype=np.int64),
+            r.length,
+            np.asarray(r.released, dtype=np.int64),
+        )
 
     async def unlock(self, node_id: int) -> None:
         await self.radix.call(UnlockNode(node_id=node_id))
@@ -75,4 +89,5 @@ class RemotePrefixPort:
             lock_refs=r.lock_refs,
             evictable_size=r.evictable_tokens,
             protected_size=r.protected_tokens,
+            alive=[np.asarray(a, dtype=bool) for a in r.alive],
         )

@@ -15,7 +15,8 @@ applies them and the actor turns them into messages. The rules, as SGLang's:
   its remaining `max_tokens` given by the decaying `NewTokenRatio`, plus one page). It is
   admitted while free + evictable pages cover every active request's reservation plus its
   own; the first request is always tried when nothing else runs. With a sliding-window pool
-  the same holds there, where a request needs at most its window plus a chunk.
+  the same holds there, where a request needs at most its window plus a chunk of output,
+  and its whole prompt besides when prompts keep their sliding KV (the default).
 """
 
 from __future__ import annotations
@@ -81,6 +82,17 @@ def future_pages(req: Req, ratio: float, page_size: int) -> int:
     return math.ceil((new + rest_prefill) / page_size) + 1
 
 
+def swa_future_pages(req: Req, ratio: float, page_size: int, cap: int, keeps_prompt: bool) -> int:
+    """Sliding pages `req` may still need: the window caps what its output holds at once;
+    a prompt that keeps its sliding KV holds all of its pages until the request ends."""
+    if not keeps_prompt:
+        return min(future_pages(req, ratio, page_size), cap)
+    new = min(req.remaining_new, CLIP_MAX_NEW_TOKENS) * ratio
+    rest_prefill = req.prefill_left if req.admitted else 0
+    decode = min(math.ceil(new / page_size) + 1, cap)
+    return math.ceil(rest_prefill / page_size) + decode
+
+
 def pick_victim(candidates: Sequence[Req]) -> Req:
     """The request to retract: least work lost (fewest outputs, then the longest prompt)."""
     return min(candidates, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
@@ -115,14 +127,19 @@ def admit(
     split = bool(limits.sliding_window and kv.swa_total_pages)
     # A request holds at most its window, a chunk and a page of sliding KV at once.
     swa_cap = math.ceil((limits.sliding_window + limits.chunk_size) / ps) + 2
+    keeps = kv.swa_keeps_prompt
     swa_available = kv.swa_free_pages + kv.evictable_pages
-    swa_reserved = sum(min(future_pages(r, ratio, ps), swa_cap) for r in active)
+    swa_reserved = sum(swa_future_pages(r, ratio, ps, swa_cap, keeps) for r in active)
     picked: list[Req] = []
     for req in candidates[: max(slots, 0)]:
         if budget <= 0:
             break
         need = math.ceil(req.num_tokens / ps) + future_pages(req, ratio, ps)
         swa_need = min(need, swa_cap)
+        if keeps:
+            swa_need = math.ceil(req.num_tokens / ps) + swa_future_pages(
+                req, ratio, ps, swa_cap, keeps
+            )
         if (active or picked) and (
             reserved + need > available or (split and swa_reserved + swa_need > swa_available)
         ):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvcore import InvariantViolation, ReqKvInfo, check_idle, check_invariants
+from kvcore.req_kv_info import FIELDS, ledger_writes
 from tests.unit.ledger_driver import make_ledger, run_sync
 
 PS = 4
@@ -35,6 +36,13 @@ def state():
 
 def corrupt(snap, **changes):
     return dataclasses.replace(snap, **changes)
+
+
+def with_fields(rec: ReqKvInfo, **changes) -> ReqKvInfo:
+    """A planted record: `rec`'s fields with `changes` (tests may write records only
+    inside `ledger_writes()`)."""
+    with ledger_writes():
+        return ReqKvInfo(**{f: getattr(rec, f) for f in FIELDS} | changes)
 
 
 def table_copy(snap):
@@ -68,7 +76,7 @@ def test_two_logical_pages_of_a_request_on_one_physical_page(state):
     table = table_copy(snap)
     row = table[rec.req_pool_idx]
     row[16:20] = row[12:16]  # logical page 4 reuses logical page 3's physical page
-    rec2 = dataclasses.replace(rec, kv_allocated_len=20, kv_committed_len=18)
+    rec2 = with_fields(rec, kv_allocated_len=20, kv_committed_len=18)
     violation(corrupt(snap, table=table, records={2: rec2}), r"owned twice by request 2")
 
 
@@ -134,7 +142,8 @@ def test_a_lock_on_a_node_that_is_gone(state):
 
 def test_a_released_record_that_still_locks(state):
     _, snap = state
-    released = ReqKvInfo()
+    with ledger_writes():
+        released = ReqKvInfo()
     lock = snap.lock_nodes[2]
     violation(
         corrupt(
@@ -188,4 +197,51 @@ def test_idle_check_counts_session_slots_once():
             session_pages=4,
         )
         != []
+    )
+
+
+def test_a_lock_held_by_no_record_or_session(state):
+    ledger, snap = state
+    lock = snap.lock_nodes[2]
+    violation(corrupt(snap, lock_nodes={**snap.lock_nodes, 99: lock}), "request 99, which holds")
+    violation(corrupt(snap, session_lock_nodes={"ghost": lock}), "session 'ghost', which holds")
+    # The idle check sees them too.
+    run_sync(ledger.finish(2, np.arange(100, 118)))
+    ledger.forget(2)
+    assert run_sync(ledger.idle_problems()) == []
+    ledger.lock_nodes[99] = snap.tree.ids[0]
+    ledger.session_lock_nodes["ghost"] = snap.tree.ids[0]
+    problems = run_sync(ledger.idle_problems())
+    assert any("tree locks of requests" in p for p in problems), problems
+    assert any("sessions holding no KV" in p for p in problems), problems
+
+
+def test_the_window_over_the_tree_prefix_and_the_tree_page_states():
+    from kvcore import SwaPages
+
+    ledger, tree = make_ledger(32, PS, 4, capacity=64)
+    ledger.swa, ledger.window, ledger.swa_free_step = SwaPages(32, 32, PS), 8, PS
+    first = np.arange(100, 124)
+    run_sync(ledger.alloc_extend(1, first, 64, []))
+    run_sync(ledger.finish(1, first))
+    ledger.forget(1)
+    run_sync(ledger.alloc_extend(2, np.concatenate([first, [1, 2]]), 64, []))
+    snap = run_sync(ledger.snapshot())
+    check_invariants(snap)
+    # Kill the sliding page of the tree page the next query's window reads (position 20):
+    # the tree prefix is read too, and the tree's own page state disagrees.
+    rec = snap.records[2]
+    page = int(snap.table[rec.req_pool_idx, 20]) // PS
+    smap = snap.swa_map.copy()
+    freed = smap[page]
+    smap[page] = 0
+    free = np.concatenate([snap.swa_free_pages, [freed]])
+    violation(corrupt(snap, swa_map=smap, swa_free_pages=free), "is marked alive")
+    alive = [np.asarray(v[::PS]) // PS != page for v in snap.tree.values]
+    tree_snap = dataclasses.replace(
+        snap.tree, alive=[a & b for a, b in zip(snap.tree.alive, alive)]
+    )
+    violation(
+        corrupt(snap, swa_map=smap, swa_free_pages=free, tree=tree_snap),
+        "lies in the window its next query reads",
     )

@@ -19,16 +19,47 @@ from kvcore import (
     pages_of_slots,
     slots_of_pages,
 )
+from kvcore.req_kv_info import RecordWriteOutsideLedger, ledger_writes
 
 
 def test_req_kv_info_lifecycle():
-    rec = ReqKvInfo()
-    assert not rec.is_held and rec.is_released
-    rec.req_pool_idx, rec.kv_allocated_len, rec.kv_committed_len = 3, 10, 10
-    assert rec.is_held and not rec.is_released
-    rec.req_pool_idx = None
-    rec.mark_released()
+    with ledger_writes():
+        rec = ReqKvInfo()
+        assert not rec.is_held and rec.is_released
+        rec.req_pool_idx, rec.kv_allocated_len, rec.kv_committed_len = 3, 10, 10
+        assert rec.is_held and not rec.is_released
+        rec.req_pool_idx = None
+        rec.mark_released()
     assert rec.is_released and rec.kv_committed_len == 0 and rec.cache_protected_len == 0
+
+
+def test_a_record_is_written_only_inside_the_ledgers_context():
+    """The write guard cannot be bypassed by spelling: every way to write a field, build or
+    re-initialise a record outside `ledger_writes()` raises and changes nothing."""
+    import copy
+    import pickle
+
+    with ledger_writes():
+        rec = ReqKvInfo(req_pool_idx=2, kv_committed_len=5, kv_allocated_len=5)
+    attempts = {
+        "attribute": lambda: setattr(rec, "kv_allocated_len", 9),
+        "descriptor": lambda: ReqKvInfo.kv_allocated_len.__set__(rec, 9),
+        "object.__setattr__": lambda: object.__setattr__(rec, "kv_committed_len", 9),
+        "__init__": lambda: rec.__init__(),
+        "mark_released": lambda: getattr(rec, "mark_released")(),
+        "constructor": lambda: ReqKvInfo(),
+        "exec": lambda: exec("r.req_pool_idx = None", {"r": rec}),
+        "copy": lambda: copy.copy(rec),
+        "deepcopy": lambda: copy.deepcopy(rec),
+        "pickle": lambda: pickle.dumps(rec),
+    }
+    for how, attempt in attempts.items():
+        with pytest.raises(RecordWriteOutsideLedger):
+            attempt()
+            pytest.fail(f"{how} wrote a record outside the ledger")
+    assert (rec.req_pool_idx, rec.kv_committed_len, rec.kv_allocated_len) == (2, 5, 5)
+    with pytest.raises(AttributeError):
+        rec._kv_allocated_len  # the storage has no name on the class
 
 
 def test_page_pool_alloc_free_and_errors():
@@ -123,7 +154,8 @@ def test_checker_names_leaks_double_owners_and_bad_order():
     pages = pool.alloc(2)
     row = table.alloc_row()
     table.write(row, 0, pages)
-    rec = ReqKvInfo(req_pool_idx=row, kv_committed_len=2, kv_allocated_len=2)
+    with ledger_writes():  # planted records
+        rec = ReqKvInfo(req_pool_idx=row, kv_committed_len=2, kv_allocated_len=2)
     check_invariants(_snapshot(pool, table, tree, {"a": rec}))
     leaked = pool.alloc(1)
     with pytest.raises(InvariantViolation, match=rf"leaked pages \[{leaked[0]}\]"):
@@ -133,9 +165,11 @@ def test_checker_names_leaks_double_owners_and_bad_order():
     with pytest.raises(InvariantViolation, match="owned by both"):
         check_invariants(_snapshot(pool, table, tree, {"a": rec}))
     tree.evict(2)
-    bad = ReqKvInfo(req_pool_idx=row, kv_committed_len=3, kv_allocated_len=2)
+    with ledger_writes():  # planted records
+        bad = ReqKvInfo(req_pool_idx=row, kv_committed_len=3, kv_allocated_len=2)
     with pytest.raises(InvariantViolation, match="request 'b'"):
         check_invariants(_snapshot(pool, table, tree, {"b": bad}))
-    zombie = ReqKvInfo(req_pool_idx=None, kv_committed_len=2, kv_allocated_len=2)
+    with ledger_writes():  # planted records
+        zombie = ReqKvInfo(req_pool_idx=None, kv_committed_len=2, kv_allocated_len=2)
     with pytest.raises(InvariantViolation, match="is_held=False"):
         check_invariants(_snapshot(pool, table, tree, {"a": rec, "z": zombie}))

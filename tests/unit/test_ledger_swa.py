@@ -7,6 +7,7 @@ runs after every operation.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from actors.allocator.ledger import SwaMapDelta
 from kvcore import SwaPages, check_invariants
@@ -46,6 +47,13 @@ class Driver:
         self.ledger.forget(rid)
         self.check()
 
+    def runner_map(self) -> np.ndarray:
+        """The runner's full -> sliding page map, rebuilt from the deltas in order."""
+        out = np.zeros_like(self.ledger.swa.map)
+        for m in self.maps:
+            out[m.full_pages] = m.swa_pages
+        return out
+
     def sliding_pages_of(self, rid) -> int:
         rec = self.ledger.records[rid]
         row = self.ledger.table.table[rec.req_pool_idx, : rec.kv_allocated_len : PS] // PS
@@ -68,10 +76,14 @@ def test_decode_frees_sliding_pages_the_window_passed_and_keeps_full_ones():
     assert d.ledger.pool.num_free == 64 - full_pages  # full layers keep everything
     assert d.ledger.swa.num_free == 64 - 4
     assert d.ledger.counters.swa_freed_pages == 11
-    # Every new full page got a sliding page, announced to the runner.
-    announced = np.concatenate([m.full_pages for m in d.maps])
-    assert sorted(announced.tolist()) == sorted(set(announced.tolist()))
-    assert len(announced) == full_pages
+    # Every new full page got a sliding page, announced to the runner, and every freed
+    # sliding page was announced as unmapped (page 0): the runner's map is the ledger's.
+    new = np.concatenate([m.full_pages[m.swa_pages > 0] for m in d.maps])
+    assert sorted(new.tolist()) == sorted(set(new.tolist()))
+    assert len(new) == full_pages
+    unmapped = np.concatenate([m.full_pages[m.swa_pages == 0] for m in d.maps])
+    assert len(unmapped) == 11
+    assert np.array_equal(d.runner_map(), d.ledger.swa.map)
 
 
 def test_a_prefix_hit_is_cut_where_the_window_before_it_lost_its_sliding_kv():
@@ -164,3 +176,126 @@ def test_by_default_prompts_keep_their_sliding_kv_and_every_prefix_stays_reusabl
     # Any prefix of the prompt is a full hit (its windows are intact).
     g = d.extend(2, np.concatenate([prompt[:30], toks(3, 5)]))
     assert g.cached_len == 28
+
+
+# ---- issue 26: the tree's dead pages never reach a window that reads them ---------------
+def window_is_alive(d: Driver, rid: int, first_query: int, end: int) -> list[int]:
+    """Positions in the windows of queries [first_query, end) whose page has no sliding KV
+    (in the ledger's map or the runner's): [] when every read finds its KV."""
+    rec = d.ledger.records[rid]
+    row = d.ledger.table.table[rec.req_pool_idx]
+    lo = max(first_query - WINDOW + 1, 0)
+    pages = row[lo:end] // PS
+    runner = d.runner_map()
+    dead = (d.ledger.swa.map[pages] == 0) | (runner[pages] != d.ledger.swa.map[pages])
+    return (np.flatnonzero(dead) + lo).tolist()
+
+
+def chunked(d: Driver, rid: int, tokens, budget: int, match_prefix=True, session=""):
+    """Prefill in chunks with cache_unfinished between them, checking each chunk's windows
+    read live sliding KV; the first grant."""
+    first = None
+    while True:
+        deltas = []
+        g = run_sync(
+            d.ledger.alloc_extend(
+                rid, tokens, budget, deltas, match_prefix=match_prefix, session=session
+            )
+        )
+        assert g is not None
+        d.maps += [x for x in deltas if isinstance(x, SwaMapDelta)]
+        d.check()
+        first = first or g
+        assert window_is_alive(d, rid, g.start, g.end) == [], f"chunk [{g.start}, {g.end})"
+        if g.end == len(tokens):
+            return first
+        deltas = []
+        run_sync(d.ledger.cache_unfinished(rid, tokens, deltas))
+        d.maps += [x for x in deltas if isinstance(x, SwaMapDelta)]
+        d.check()
+
+
+def dead_tree_pages(d: Driver) -> int:
+    """Tree pages whose sliding KV is gone."""
+    return int((d.ledger.swa.map[d.tree.owned_pages()] == 0).sum())
+
+
+def long_finished_request(d: Driver, rid=1, prompt_len=8, new=60):
+    """A request whose output ran past the window: its tree path has dead pages."""
+    prompt = toks(rid, prompt_len)
+    d.extend(rid, prompt)
+    d.decode(rid, new)
+    hist = np.concatenate([prompt, toks(rid + 100, new + 1)])
+    d.finish(rid, hist)
+    assert dead_tree_pages(d)  # the window freed some of the output's sliding pages
+    return hist
+
+
+@pytest.mark.parametrize("match_prefix", [True, False], ids=["diverging", "prompt_logprobs"])
+def test_chunks_over_a_cached_long_output_read_live_sliding_kv(match_prefix):
+    d = Driver(free_prompt=False)
+    hist = long_finished_request(d)
+    # Diverges inside the earlier output, past the window: the match is cut where its
+    # window is intact and the rest is recomputed in chunks over the tree's dead pages.
+    prompt = np.concatenate([hist[:56], toks(7, 6)])
+    chunked(d, 2, prompt, budget=8, match_prefix=match_prefix)
+    d.decode(2, 3)
+    d.finish(2, np.concatenate([prompt, toks(8, 4)]))
+    assert run_sync(d.ledger.idle_problems()) == []
+
+
+def test_a_chunk_never_takes_a_dead_page_another_request_locks():
+    d = Driver(free_prompt=False)
+    hist = long_finished_request(d)
+    # Request 2 holds the long path (its window at the end is intact): the dead pages in
+    # the middle are locked and cannot heal.
+    g = d.extend(2, np.concatenate([hist, toks(9, 2)]))
+    assert g.cached_len == 68
+    prompt = np.concatenate([hist[:56], toks(7, 6)])
+    chunked(d, 3, prompt, budget=8, match_prefix=False)
+    rec = d.ledger.records[3]
+    row = d.ledger.table.table[rec.req_pool_idx]
+    assert (d.ledger.swa.map[row[: rec.kv_committed_len] // PS][-WINDOW // PS :] > 0).all()
+
+
+def test_the_same_long_prompt_twice_is_cached_whole_the_second_time():
+    d = Driver(free_prompt=False)
+    hist = long_finished_request(d)
+    for rid in (2, 3):
+        g = chunked(d, rid, hist, budget=8, match_prefix=False)
+        d.finish(rid, hist)
+    g = d.extend(4, np.concatenate([hist, toks(5, 3)]))
+    assert g.cached_len == len(hist) - len(hist) % PS
+    assert dead_tree_pages(d) == 0  # the fresh pages replaced the dead ones
+    assert d.ledger.counters.tree_heals > 0
+    d.check()
+
+
+def test_a_session_restored_after_decoding_past_the_window_passes_the_checker():
+    d = Driver(free_prompt=False)
+    d.ledger.open_slot("s")
+    prompt = toks(1, 10)
+    d.extend(1, prompt, session="s")
+    d.decode(1, 50)
+    hist = np.concatenate([prompt, toks(2, 51)])
+    d.finish(1, hist)
+    assert d.ledger.slots["s"].rec.swa_evicted_seqlen > 0
+    turn = np.concatenate([hist, toks(3, 20)])
+    g = d.extend(2, turn, session="s")  # the checker runs inside
+    assert g.cached_len == len(hist) - 1  # the last sampled token has no KV
+    rec = d.ledger.records[2]
+    # The floor never covers KV the window already freed.
+    assert rec.swa_evict_floor <= rec.swa_evicted_seqlen or rec.swa_evicted_seqlen == 0
+    d.decode(2, 30)
+    d.finish(2, np.concatenate([turn, toks(4, 31)]))
+    assert run_sync(d.ledger.idle_problems()) == []
+
+
+def test_the_runner_learns_every_unmapping_before_a_page_is_mapped_again():
+    d = Driver(num_pages=64, swa_pages=10)
+    hist = long_finished_request(d, prompt_len=4, new=30)
+    run_sync(d.ledger.drop_cache())  # unmaps everything; no deltas go out here
+    assert not np.array_equal(d.runner_map(), d.ledger.swa.map)
+    d.extend(2, toks(2, 20))  # the pending unmappings lead this reply's deltas
+    assert np.array_equal(d.runner_map(), d.ledger.swa.map)
+    del hist

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from actors.scheduler import policy
@@ -113,6 +114,27 @@ def test_admission_tries_the_first_request_when_nothing_runs():
     assert policy.admit([alone], [], kv(free=3), 64, LIMITS, 0.5) == [alone]
     running = req(2, 4)
     assert policy.admit([alone], [running], kv(free=3), 64, LIMITS, 0.5) == []
+
+
+def test_sliding_admission_counts_whole_prompts_when_prompts_keep_their_sliding_kv():
+    """Window 16, chunk 16: a request's output holds at most ~10 sliding pages at once, but
+    a 100-token prompt that keeps its sliding KV holds 25 for the request's life."""
+    limits = SchedulerLimits(
+        page_size=PS,
+        row_capacity=256,
+        max_running=8,
+        max_batch_tokens=256,
+        chunk_size=16,
+        sliding_window=16,
+    )
+    running = req(10, 4)
+    cands = [req(1, 100, max_tokens=8), req(2, 100, max_tokens=8)]
+    free = msgspec.structs.replace(kv(free=200), swa_total_pages=200, swa_free_pages=40)
+    # Freed prompts: each needs at most its window + a chunk (10 pages): both fit in 40.
+    assert policy.admit(cands, [running], free, 256, limits, 0.5) == cands
+    # Kept prompts: each needs 25 + 2 sliding pages: only the first fits in 40.
+    kept = msgspec.structs.replace(free, swa_keeps_prompt=True)
+    assert policy.admit(cands, [running], kept, 256, limits, 0.5) == cands[:1]
 
 
 def test_decode_reservation_of_running_requests_shrinks_what_admission_sees():

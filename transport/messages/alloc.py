@@ -31,6 +31,7 @@ class ExtendItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
     budget: int  # at most this many tokens computed in this chunk
     match_prefix: bool = True  # False: compute every token (prompt logprobs need the logits)
     session_id: str = ""  # a streaming session's turn: restore its KV at admission, save at finish
+    cache_salt: str = ""  # prefix-cache namespace: pages are shared only within one salt
 
 
 class ExtendGrantItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -114,6 +115,11 @@ class KvStats(Message):
     swa_total_pages: int = 0  # the sliding layers' pool (0: they share the full pool)
     swa_free_pages: int = 0
     swa_freed_pages: int = 0  # sliding pages freed because the window had passed them
+    # prompts keep their sliding KV (kv.swa_free_prompt false): a request's sliding need
+    # is its prompt plus a window, not a window alone
+    swa_keeps_prompt: bool = False
+    session_reclaims: int = 0  # idle session slots released to the tree (cap or pressure)
+    tree_heals: int = 0  # dead (window-freed) tree pages replaced by live ones
 
 
 class OpenSlot(Message):

@@ -25,12 +25,16 @@ class InsertPrefix(HotMessage):
     slots: list[int]
     unlock_node: int = -1  # -1: none
     lock_new: bool = False
+    alive: list[bool] = []  # per page: its sliding KV exists ([]: every page's does)
+    need_alive_from: int = -1  # -1: none (see `RadixTree.insert`)
 
 
 class InsertReply(HotMessage):
     existing_len: int
     node_id: int
     slots: list[int]
+    length: int
+    released: list[int] = []  # slots of healed dead pages: the allocator frees them
 
 
 class UnlockNode(HotMessage):
@@ -71,6 +75,7 @@ class TreeSnapshotReply(Message):
     lock_refs: list[int]
     evictable_tokens: int
     protected_tokens: int
+    alive: list[list[bool]] = []
 
 
 class TreeStats(Message):
