@@ -240,8 +240,7 @@ class AllocatorActor(Actor):
             ts = await self.port.stats()
             tree_pages = (ts.evictable_tokens + ts.protected_tokens) // ps
             evictable = ts.evictable_tokens // ps
-        # Idle session slots are released under pressure: admission may count on them.
-        evictable += ledger.reclaimable_session_pages()
+
         c = ledger.counters
         return KvStats(
             page_size=ps,

@@ -610,11 +610,6 @@ class KvLedger:
         ]
         return sorted(idle, key=lambda item: item[1].last_used)
 
-    def reclaimable_session_pages(self) -> int:
-        """Own pages of idle slots: released to the tree under pressure, so they count as
-        available to admission."""
-        return sum(self._own_pages(s.rec) for _, s in self._idle_slots())
-
     async def _reclaim_session(self) -> bool:
         """Release the least recently used idle slot to the prefix tree (its committed whole
         pages become cached, evictable KV; the session stays open, its next turn prefills
