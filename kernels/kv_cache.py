@@ -11,7 +11,9 @@ With a sliding-window pool (`swa_num_pages` > 0), full-attention layers keep the
 the row's slots and sliding layers in a smaller pool of their own, at the slot the
 full-to-sliding page map (`swa_map`, a replica of the allocator's, updated by `map_swa`)
 gives: map[slot // page_size] * page_size + slot % page_size. Callers always pass full
-slots; `write` and `sliding_slots` translate for sliding layers.
+slots; `write` and `sliding_slots` translate for sliding layers. The allocator sends every
+change, unmappings as page 0, so a full page whose sliding KV was freed reads and writes
+the padding page, never a sliding page someone else owns now.
 
 `ReqToTokenTable` is the runner's copy of the allocator's rows: row r, position p -> slot.
 The allocator owns the truth; the runner only applies the deltas that ride with each batch.
@@ -91,7 +93,7 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
 
     def map_swa(self, full_pages: Sequence[int], swa_pages: Sequence[int]) -> None:
-        """Apply the allocator's new full -> sliding page mappings."""
+        """Apply the allocator's full -> sliding page map changes (0: unmapped)."""
         if not len(full_pages):
             return
         if not self.split:
