@@ -6,8 +6,12 @@ this process keep serving while the model computes. One thread, always the same:
 each thread that calls torch gets its own OpenMP team, and an idle team spinning
 next to a busy one halves (or worse) the speed of both. Sampling state lives here
 per request: registered by `new_reqs` (derived from its `GenerationParams`),
-dropped by `finished_rids`. A constrained request arrives with its grammar compiled by the
-tokenizer actor (serialized); its matcher joins its sampler state (`kernels.grammar`).
+dropped by `finished_rids`. A constrained request names its grammar by key: the tokenizer
+actor compiled it and handed it over once (`LoadGrammar`, kept in a cache bounded in bytes);
+its matcher joins the request's sampler state (`kernels.grammar`). A request that cannot be
+registered (its grammar is not held) is reported in `failed_rids`, alone: the step serves
+the others. Any other exception in a step is an error reply to the scheduler, which fails
+that step's requests; the runner serves on.
 """
 
 from __future__ import annotations
@@ -17,17 +21,25 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import anyio
 import numpy as np
 import torch
 
 from actors.runtime import Actor
 from kernels.cuda_graphs import GRAPH_BACKENDS, graph_max_pages
+from kernels.grammar import ByteLRU
 from kernels.host_memory import keep_freed_memory
-from transport.messages.runner import ForwardBatchMsg, StepResultMsg
+from transport.messages.runner import ForwardBatchMsg, GrammarLoaded, LoadGrammar, StepResultMsg
+
+GRAMMAR_CACHE_BYTES = 256 << 20
+
+
+class RegisterFailed(Exception):
+    """One request of a batch cannot be registered (e.g. its grammar is not held)."""
 
 
 class ModelRunnerActor(Actor):
-    inbox = ForwardBatchMsg
+    inbox = ForwardBatchMsg | LoadGrammar
 
     def __init__(
         self,
@@ -45,6 +57,7 @@ class ModelRunnerActor(Actor):
         device: str = "auto",
         cuda_graphs: bool = True,
         linear: str = "auto",
+        grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES,
     ) -> None:
         from kernels.cpu import choose_dtype, choose_threads
         from kernels.device import choose_attention, choose_device
@@ -81,6 +94,9 @@ class ModelRunnerActor(Actor):
         )
         self._grammars = None  # kernels.grammar.GrammarEngine, built on first use
         self._grammars_lock = threading.Lock()
+        # key -> compiled grammar, as handed over by `LoadGrammar` (least recently used
+        # dropped past the bound; a request whose grammar was dropped fails alone)
+        self._grammar_cache = ByteLRU(grammar_cache_bytes)
         self.executor = None
         self.sampler = None
         self.steps = 0
@@ -199,17 +215,39 @@ class ModelRunnerActor(Actor):
         c = new.params.constraint
         if c is None:
             return None
-        from kernels.grammar import constraint_key
-
+        if new.grammar_key:
+            compiled = self._grammar_cache.get(new.grammar_key)
+            if compiled is None:
+                raise RegisterFailed(
+                    f"its compiled grammar {new.grammar_key} is not loaded in the runner"
+                )
+            return self._grammar_engine().matcher(compiled)
+        # not compiled upstream (a test driving the runner directly): compile here
         engine = self._grammar_engine()
-        if new.grammar:
-            compiled = engine.load(constraint_key(c.kind, c.spec, c.choices), new.grammar)
-        else:  # not compiled upstream (a test driving the runner directly): compile here
-            compiled = engine.compile(c.kind, c.spec, c.choices)
-        return engine.matcher(compiled)
+        return engine.matcher(engine.compile(c.kind, c.spec, c.choices))
 
     async def handle(self, msg, sender):
+        if isinstance(msg, LoadGrammar):
+            return await self._load_grammar(msg)
         return await self._on_worker(self._step, msg)
+
+    async def _load_grammar(self, msg: LoadGrammar):
+        """Keep a compiled grammar by key. A query (no data) is answered at once; a load is
+        deserialized off the mailbox (`reply_later`), so forward steps are not held up."""
+        if self._grammar_cache.get(msg.key) is not None:
+            return GrammarLoaded(key=msg.key, present=True)
+        if not msg.data:
+            return GrammarLoaded(key=msg.key, present=False)
+
+        async def load() -> GrammarLoaded:
+            from kernels.grammar import grammar_nbytes
+
+            engine = await anyio.to_thread.run_sync(self._grammar_engine)
+            compiled = await anyio.to_thread.run_sync(engine.deserialize, msg.data)
+            kept = self._grammar_cache.put(msg.key, compiled, grammar_nbytes(compiled))
+            return GrammarLoaded(key=msg.key, present=kept)
+
+        return self.reply_later(load)
 
     def _step(self, msg: ForwardBatchMsg) -> StepResultMsg:
         from kernels.forward_batch import ForwardBatch, SlotDeltas
@@ -218,10 +256,22 @@ class ModelRunnerActor(Actor):
         sampler = self.sampler
         for rid in msg.finished_rids:
             sampler.remove_request(rid)
+        failed: list[int] = []
+        failure = ""
         for new in msg.new_reqs:
-            sampler.add_request(new.rid, new.params, list(new.prompt_ids), self._matcher(new))
+            try:
+                matcher = self._matcher(new)
+            except RegisterFailed as exc:
+                # This request alone fails: its KV is still written (its own slots), but
+                # nothing is sampled for it, and the scheduler ends it with an error.
+                failed.append(new.rid)
+                failure = str(exc)
+                continue
+            sampler.add_request(new.rid, new.params, list(new.prompt_ids), matcher)
         if not msg.rids:
-            return StepResultMsg(step=msg.step, rids=[], tokens=[])
+            return StepResultMsg(
+                step=msg.step, rids=[], tokens=[], failed_rids=failed, failure=failure
+            )
         ends = np.cumsum(msg.extend_lens)
         flat = msg.input_ids
         inputs = [flat[e - n : e] for e, n in zip(ends.tolist(), msg.extend_lens)]
@@ -242,14 +292,28 @@ class ModelRunnerActor(Actor):
             prompt.compute(msg, inputs, per_request)  # raw logits: before any penalty
         else:
             logits = self.executor.forward(batch)
-        sample_rids = [rid for rid, need in zip(msg.rids, msg.need_logits) if need]
+        if failed:  # their rows of the logits are left unused
+            dead = set(failed)
+            rows = [i for i, need in enumerate(msg.need_logits) if need]
+            live = [j for j, i in enumerate(rows) if msg.rids[i] not in dead]
+            if len(live) < len(rows):
+                logits = logits[live]
+        sample_rids = [
+            rid for rid, need in zip(msg.rids, msg.need_logits) if need and rid not in failed
+        ]
         out = sampler.sample(sample_rids, logits) if sample_rids else None
         elapsed = time.perf_counter() - t0
         self.steps += 1
         self.forward_s += elapsed
         if out is None:
             return StepResultMsg(
-                step=msg.step, rids=[], tokens=[], forward_ms=elapsed * 1e3, **prompt.fields()
+                step=msg.step,
+                rids=[],
+                tokens=[],
+                forward_ms=elapsed * 1e3,
+                failed_rids=failed,
+                failure=failure,
+                **prompt.fields(),
             )
         logprobs: list[float] = []
         top_ids: list[list[int]] = []
@@ -267,6 +331,8 @@ class ModelRunnerActor(Actor):
             top_ids=top_ids,
             top_logprobs=top_lps,
             forward_ms=elapsed * 1e3,
+            failed_rids=failed,
+            failure=failure,
             **prompt.fields(),
         )
 

@@ -11,8 +11,11 @@ first kind of row only and saves-fills-restores the second.
 
 - `GrammarEngine` (one per tokenizer and process, `GrammarEngine.shared`): compiles
   constraints (kind + spec, see `compile`) into xgrammar `CompiledGrammar`s, cached by
-  `constraint_key`; serializes them so a grammar compiled where the request is validated
-  (the tokenizer actor) is loaded, not compiled again, where it is matched (the runner).
+  `constraint_key` (bounded in bytes); serializes them so a grammar compiled where the
+  request is validated (the tokenizer actor) is loaded, not compiled again, where it is
+  matched (the runner, which receives it once per key, not with every request).
+- `ByteLRU`: the least-recently-used map bounded in bytes that every grammar cache uses (a
+  compiled grammar can be tens of MiB: counting entries bounds nothing).
 - `TokenMatcher`: one request's position in its grammar; the sampler fills its bitmask row
   before a step and advances it with the chosen token after.
 
@@ -27,13 +30,14 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import Tensor
 
-CACHE_ENTRIES = 256  # compiled grammars kept per engine (least recently used dropped)
+if TYPE_CHECKING:  # torch is imported where it is used: the tokenizer's process needs none
+    from torch import Tensor
+
+CACHE_BYTES = 256 << 20  # compiled grammars kept per engine (least recently used dropped)
 _SOURCE_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 
@@ -115,15 +119,71 @@ def _embedded_schemas(node: Any):
             yield from _embedded_schemas(item)
 
 
+class ByteLRU:
+    """key -> value, least recently used dropped first once the values' sizes exceed
+    `max_bytes`; a value larger than `max_bytes` alone is not kept. Thread-safe.
+
+    Invariant: `nbytes` is the sum of the kept values' sizes and `nbytes <= max_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._items: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Any:
+        """The value (now the most recently used), or None."""
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
+
+    def put(self, key: str, value: Any, size: int) -> bool:
+        """Keep `value` under `key`; False when it is larger than the whole bound."""
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            if size > self.max_bytes:
+                return False
+            self._items[key] = (value, size)
+            self.nbytes += size
+            while self.nbytes > self.max_bytes:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self.nbytes -= dropped
+            return True
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def grammar_nbytes(compiled: Any) -> int:
+    """The memory a compiled grammar holds (xgrammar's own count)."""
+    return int(compiled.memory_size_bytes)
+
+
 class GrammarEngine:
     """Compiles and loads grammars for one tokenizer (thread-safe)."""
 
     _shared: dict[tuple, GrammarEngine] = {}
     _shared_lock = threading.Lock()
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_ids: list[int],
+        cache_bytes: int = CACHE_BYTES,
+    ) -> None:
         """`tokenizer`: a `tokenizers.Tokenizer`; `vocab_size`: the logits width it is
-        matched against; `stop_ids`: the tokens that end a generation (EOS)."""
+        matched against; `stop_ids`: the tokens that end a generation (EOS); `cache_bytes`:
+        the bound of the compiled grammars kept."""
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 
@@ -149,9 +209,7 @@ class GrammarEngine:
         self.stop_ids = list(stop_ids)
         # Our own cache (xgrammar's would key on text only and never drop entries).
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._serialized: dict[str, bytes] = {}
-        self._lock = threading.Lock()
+        self._cache = ByteLRU(cache_bytes)
         self.compiled = 0  # grammars compiled (cache misses), for tests and stats
         self.loaded = 0  # grammars deserialized
 
@@ -177,13 +235,11 @@ class GrammarEngine:
         rule), `structural_tag` (spec: an xgrammar structural tag's JSON). Raises
         `GrammarError` naming the problem."""
         key = constraint_key(kind, spec, choices)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        compiled = self._compile(kind, spec, choices)
-        self._store(key, compiled)
-        self.compiled += 1
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._compile(kind, spec, choices)
+            self._cache.put(key, compiled, grammar_nbytes(compiled))
+            self.compiled += 1
         return compiled
 
     def _compile(self, kind: str, spec: str, choices) -> Any:
@@ -215,37 +271,32 @@ class GrammarEngine:
             raise GrammarError(f"{kind}: {text}"[:500]) from None
         raise GrammarError(f"unknown constraint kind {kind!r}; use one of {', '.join(KINDS)}")
 
-    def _store(self, key: str, compiled: Any) -> None:
-        with self._lock:
-            self._cache[key] = compiled
-            self._cache.move_to_end(key)
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-
     # ---- ship between processes ------------------------------------------------------------
     def compile_serialized(
         self, kind: str, spec: str = "", choices: list[str] | tuple[str, ...] = ()
     ) -> bytes:
-        """`compile`, serialized for `load` in another process (kept per constraint)."""
-        key = constraint_key(kind, spec, choices)
-        with self._lock:
-            data = self._serialized.get(key)
-        if data is None:
-            data = self.compile(kind, spec, choices).serialize_json().encode()
-            with self._lock:
-                self._serialized[key] = data
-                while len(self._serialized) > CACHE_ENTRIES:
-                    self._serialized.pop(next(iter(self._serialized)))
-        return data
+        """The constraint compiled and serialized for `load` in another actor or process. Not
+        cached here (the caller keeps the bytes it ships, bounded in bytes)."""
+        compiled = self._cache.get(constraint_key(kind, spec, choices))
+        if compiled is None:
+            compiled = self._compile(kind, spec, choices)
+            self.compiled += 1
+        return compiled.serialize_json().encode()
 
     def load(self, key: str, data: bytes) -> Any:
         """The compiled grammar named `key`: from the cache, else deserialized from `data`."""
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        compiled = self._xgr.CompiledGrammar.deserialize_json(data.decode(), self.info)
-        self._store(key, compiled)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self.deserialize(data)
+            self._cache.put(key, compiled, grammar_nbytes(compiled))
+        return compiled
+
+    def deserialize(self, data: bytes) -> Any:
+        """A grammar from `compile_serialized`'s bytes (not cached here)."""
+        try:
+            compiled = self._xgr.CompiledGrammar.deserialize_json(data.decode(), self.info)
+        except Exception as exc:
+            raise GrammarError(f"a serialized grammar does not load: {exc}"[:500]) from None
         self.loaded += 1
         return compiled
 
@@ -327,6 +378,8 @@ def apply_token_bitmask(
     tokens = c[hit_word] * 32 + hit_bit
     keep = tokens < limit
     target_rows = np.asarray(rows, dtype=np.int64)[sparse]
+    import torch
+
     flat_index = torch.from_numpy(target_rows[r[hit_word]][keep] * width + tokens[keep])
     flat = logits.view(-1)
     kept = flat[flat_index]

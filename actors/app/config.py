@@ -96,6 +96,12 @@ class EngineSection(_Section):
     # A runner that crashes (or whose process dies): "shutdown" stops the engine (exit 1);
     # "restart" ends its requests with an error, drops the prefix cache and starts a new one.
     runner_on_crash: Literal["shutdown", "restart"] = "shutdown"
+    # Constrained output: a grammar that does not compile in this time, or compiles larger
+    # than this, is refused (HTTP 400 naming the key); compiled grammars kept by the
+    # tokenizer and by the runner, each at most this many bytes (least recently used dropped)
+    grammar_compile_timeout_s: float = 5.0
+    grammar_max_bytes: int = 16 << 20
+    grammar_cache_bytes: int = 256 << 20
 
 
 class ServerSection(_Section):
@@ -180,6 +186,15 @@ class EngineConfig(_Section):
                 "scheduler: 0 <= min_new_token_ratio <= new_token_ratio <= 1 must hold",
             ),
             (self.model.threads >= 0, "model.threads must be >= 0"),
+            (
+                self.engine.grammar_compile_timeout_s > 0,
+                "engine.grammar_compile_timeout_s must be > 0",
+            ),
+            (
+                0 < self.engine.grammar_max_bytes <= min(self.engine.grammar_cache_bytes, 60 << 20),
+                "engine: 0 < grammar_max_bytes <= grammar_cache_bytes (and <= 60 MiB: it must "
+                "fit one message) must hold",
+            ),
             (0 <= self.server.port <= 65535, "server.port must be in [0, 65535]"),
         ]
         for ok, message in checks:

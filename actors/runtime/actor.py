@@ -18,11 +18,23 @@ if TYPE_CHECKING:
     from actors.runtime.cell import ActorCell
 
 
+class DeferredReply:
+    """Returned by ``handle`` to answer a call later: the runtime runs ``work`` as a task of
+    the actor and replies with its result (an exception becomes an ``ErrorReply``, as from
+    ``handle``), while the mailbox goes on with the next message. Made by ``reply_later``."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: Callable[[], Awaitable[Message | None]]) -> None:
+        self.work = work
+
+
 class Actor:
     """Base class of every actor. Subclasses set ``inbox`` and implement ``handle``.
 
     ``handle`` is called strictly one message at a time, in arrival order. For a call, the
-    returned message is the reply (``None`` -> ``Ack``). The runtime binds ``name`` (from the
+    returned message is the reply (``None`` -> ``Ack``; ``reply_later(...)`` -> the reply of
+    work that runs beside the mailbox, for a slow answer). The runtime binds ``name`` (from the
     spec) before ``on_start``; ``ref``, ``spawn``, ``every`` and ``log`` are usable from
     ``on_start`` on.
     """
@@ -66,6 +78,14 @@ class Actor:
         """Run ``function(*args)`` in this actor's task group. It is cancelled when the actor
         stops; if it raises, the actor crashes."""
         self._bound_cell().spawn(function, *args)
+
+    def reply_later(
+        self, function: Callable[..., Awaitable[Message | None]], *args: Any
+    ) -> DeferredReply:
+        """For ``handle`` to return: the call is answered by ``function(*args)``, run as a task
+        of this actor, so the mailbox is not held while it waits (a compile, a slow peer).
+        Invariant: every call still gets exactly one reply."""
+        return DeferredReply(lambda: function(*args))
 
     def every(self, interval_s: float, function: Callable[[], Awaitable[Any]]) -> None:
         """Call ``function()`` every ``interval_s`` seconds (drift-free) in the background."""

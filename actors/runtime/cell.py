@@ -35,7 +35,7 @@ import msgspec
 import zmq
 from anyio.abc import TaskGroup, TaskStatus
 
-from actors.runtime.actor import Actor, inbox_codec
+from actors.runtime.actor import Actor, DeferredReply, inbox_codec
 from actors.runtime.errors import HandledError, describe_exception, format_traceback, root_exception
 from actors.runtime.logging import debug_enabled, get_logger
 from actors.runtime.refs import DEFAULT_CALL_TIMEOUT_S, RefBook
@@ -308,11 +308,17 @@ class ActorCell:
                         )
                         server.reply(incoming.peer, envelope.request_id, _encoder.encode(reply))
                         continue
+                    if isinstance(result, DeferredReply):
+                        self.spawn(self._reply_deferred, incoming.peer, envelope, message, result)
+                        continue
                     self._reply_result(incoming.peer, envelope, message, result)
                 else:
                     counters.sends += 1
                     try:
-                        await handle(message, envelope)
+                        result = await handle(message, envelope)
+                        if isinstance(result, DeferredReply):  # nobody to answer: just run it
+                            peer = incoming.peer
+                            self.spawn(self._reply_deferred, peer, envelope, message, result)
                     except HandledError as exc:
                         counters.handler_errors += 1
                         self._log_handler_error(exc, message, envelope)
@@ -328,6 +334,26 @@ class ActorCell:
                 since_yield = 0
                 await anyio.lowlevel.checkpoint()
         raise _ActorFailed("the mailbox closed")
+
+    async def _reply_deferred(
+        self, peer: bytes, envelope: Envelope, message: Message, deferred: DeferredReply
+    ) -> None:
+        """Run the work of a handler that returned `reply_later(...)` and answer the call with
+        its result; an exception is an ErrorReply to the caller (logged, counted) and never
+        crashes the actor, a send's included."""
+        try:
+            result = await deferred.work()
+        except Exception as exc:
+            self.counters.handler_errors += 1
+            self._log_handler_error(exc, message, envelope)
+            reply = ErrorReply(
+                code=ERR_HANDLER, message=describe_exception(exc), detail=format_traceback(exc)
+            )
+            if envelope.is_call:
+                self._server.reply(peer, envelope.request_id, _encoder.encode(reply))
+            return
+        if envelope.is_call:
+            self._reply_result(peer, envelope, message, result)
 
     def _refuse_control(self, peer: bytes, envelope: Envelope) -> None:
         self.counters.decode_failures += 1

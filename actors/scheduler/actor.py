@@ -17,6 +17,12 @@ Each step (continuous batching under a token budget):
      needs (finishes by length, EOS, stop ids) the scheduler has made already.
 When the engine goes idle it asks the allocator for a conservation check (`IdleCheck`).
 
+When the runner answers a step with an error (its step raised: out of memory, a batch it
+could not decode, ...), that step failed, not the engine: the step's requests end with
+finish reason "error" (their KV released uncached, the allocator's abort path) and every
+other request goes on. A request the runner reports in `failed_rids` (its grammar is not
+loaded) ends the same way, alone.
+
 When the runner crashes (`PeerCrashed` from the system), the step waiting on it is given
 up: every request ends with finish reason "error" (its client sees an error), its KV is
 released uncached, the prefix tree is dropped (`DropCache`: the KV it names is gone) and
@@ -42,6 +48,7 @@ from actors.scheduler.policy import (
     unstick,
 )
 from actors.scheduler.request import Req
+from kvcore.salt import salted_tokens
 from transport.channel import ChannelClosed
 from transport.messages.alloc import (
     AllocDecode,
@@ -72,6 +79,10 @@ from transport.messages.runner import StepResultMsg
 
 class RunnerLost(Exception):
     """The runner crashed while (or before) computing this step."""
+
+
+class StepFailed(Exception):
+    """The runner answered this step with an error: the step's requests fail, nothing else."""
 
 
 class SchedulerActor(Actor):
@@ -202,7 +213,14 @@ class SchedulerActor(Actor):
             await self._flush(out)
             return bool(out.reports) or action is not None
         batch = core.build_batch(decode, prefill)
-        result = await self._forward(batch)
+        try:
+            result = await self._forward(batch)
+        except StepFailed as exc:
+            self.runner_failures += 1
+            ended = core.fail_step(batch, decode, prefill, out)
+            self.log.error("runner step failed; its requests end", ended=ended, error=str(exc))
+            await self._flush(out, hold_report=True)
+            return True
         unfinished = core.apply_results(decode, prefill, result, out)
         if unfinished:
             reply = await self._call(
@@ -228,7 +246,9 @@ class SchedulerActor(Actor):
         return True
 
     async def _forward(self, batch) -> StepResultMsg:
-        """The runner's step; `RunnerLost` when it crashed before answering."""
+        """The runner's step; `RunnerLost` when it crashed before answering, `StepFailed`
+        when it answered with an error (the runner serves on; only this step is lost)."""
+        failure: RemoteError | None = None
         if self.runner_lost is None:
             with anyio.CancelScope() as self._forward_scope:
                 try:
@@ -236,11 +256,19 @@ class SchedulerActor(Actor):
                         # The call sends the batch before its first wait, so the report
                         # (the previous step's tokens) follows the batch to the runner.
                         tg.start_soon(self._send_report)
-                        return await self._call(
-                            self.runner, batch, expect=StepResultMsg, timeout=self.runner_timeout_s
-                        )
+                        try:
+                            return await self._call(
+                                self.runner,
+                                batch,
+                                expect=StepResultMsg,
+                                timeout=self.runner_timeout_s,
+                            )
+                        except RemoteError as exc:
+                            failure = exc
                 finally:
                     self._forward_scope = None
+        if failure is not None and self.runner_lost is None:
+            raise StepFailed(str(failure))
         raise RunnerLost(self.runner_lost)
 
     async def _recover_from_runner_crash(self) -> None:
@@ -314,7 +342,13 @@ class SchedulerActor(Actor):
             if core.policy is Policy.LPM and self.radix_ref is not None and len(core.waiting) > 1:
                 peek = await self._call(
                     self.radix_ref,
-                    PeekPrefix(tokens=[r.tokens for r in core.waiting]),
+                    # salted keys: a request only matches within its cache_salt namespace
+                    PeekPrefix(
+                        tokens=[
+                            salted_tokens(r.tokens, r.params.cache_salt).tolist()
+                            for r in core.waiting
+                        ]
+                    ),
                     expect=PeekReply,
                 )
                 cached_lens = peek.lengths
@@ -332,6 +366,7 @@ class SchedulerActor(Actor):
                         budget=c.budget,
                         match_prefix=c.req.params.prompt_logprobs is None,
                         session_id=c.req.session_id,
+                        cache_salt=c.req.params.cache_salt,
                     )
                     for c in chunks
                 ]

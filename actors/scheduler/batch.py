@@ -175,7 +175,7 @@ def runner_request(req: Req) -> RunnerRequest:
         rid=req.rid,
         params=p,
         prompt_ids=req.prompt_ids if p.repetition_penalty != 1.0 else [],
-        grammar=req.grammar,
+        grammar_key=req.grammar_key,
     )
 
 

@@ -81,7 +81,7 @@ class SchedulerCore:
                 stop_ids=frozenset(p.stop_token_ids),
                 arrived_at=now,
                 session_id=n.session_id,
-                grammar=n.grammar,
+                grammar_key=n.grammar_key,
             )
             self.reqs[req.rid] = req
             self.waiting.append(req)
@@ -148,6 +148,32 @@ class SchedulerCore:
         self.carry_deltas.clear()
         self.unregister.clear()
         return len(reqs)
+
+    def fail_step(
+        self,
+        batch: ForwardBatchMsg,
+        decode: Sequence[Req],
+        prefill: Sequence[PrefillWork],
+        out: StepOutbox,
+    ) -> int:
+        """The runner failed this step as a whole: end its requests with ERROR (KV released
+        uncached, the allocator's abort path) and nothing else; how many ended.
+
+        The runner may or may not have applied the batch's slot deltas, and they may name
+        rows of requests not in it (cache-unfinished rewrites): they go again, first, with
+        the next batch. Row writes are overwrites, so applying them twice changes nothing.
+        Registered sampler states of the failed requests are dropped by `finish`."""
+        self.carry_deltas.insert(0, batch.deltas)
+        reqs = [*decode, *(w.req for w in prefill)]
+        for req in reqs:
+            self._fail(req, out)
+        return len(reqs)
+
+    def _fail(self, req: Req, out: StepOutbox) -> None:
+        if req.rid in self.reqs:
+            self._remove(req)
+            self.pending_ends.pop(req.rid, None)
+            self.finish(req, FinishReason.ERROR, out)
 
     def cut_short(self, req: Req, out: StepOutbox) -> None:
         self._remove(req)
@@ -228,7 +254,6 @@ class SchedulerCore:
         batch, new = forward_batch(self.step_no, decode, prefill, deltas, unregister)
         for req in new:
             req.registered = True
-            req.grammar = b""  # the runner holds it now
         return batch
 
     def apply_results(
@@ -238,13 +263,20 @@ class SchedulerCore:
         result: StepResultMsg,
         out: StepOutbox,
     ) -> list[Req]:
-        """Fold the sampled tokens in; returns requests whose prefill is still unfinished."""
+        """Fold the sampled tokens in; returns requests whose prefill is still unfinished.
+        Requests the runner could not serve (`failed_rids`) end with ERROR here."""
         sampled = sampled_tokens(result)
         self.counters.runner_ms += result.forward_ms
         out.prompt_logprobs(result, {w.req.rid: w for w in prefill})
+        failed = set(result.failed_rids)
+        for req in [*decode, *(w.req for w in prefill)]:
+            if req.rid in failed:
+                self._fail(req, out)
         unfinished: list[Req] = []
         for work in prefill:
             req = work.req
+            if req.rid in failed:
+                continue
             if not work.is_last_chunk:
                 unfinished.append(req)
             elif req in self.prefilling:
@@ -252,7 +284,7 @@ class SchedulerCore:
                 self.running.append(req)
         for req in [*decode, *(w.req for w in prefill)]:
             s = sampled.get(req.rid)
-            if s is None:
+            if s is None or req.rid in failed:
                 continue
             req.output_ids.append(s.token)
             self.counters.generated_tokens += 1

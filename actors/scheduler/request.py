@@ -32,7 +32,7 @@ class Req:
     queued_s: float = -1.0  # seconds from submit to its first admission
     prompt_lp_next: int = 1  # with prompt_logprobs: the next prompt token whose logprob is due
     session_id: str = ""  # a streaming session's turn (its KV is restored and saved)
-    grammar: bytes = b""  # its constraint's compiled grammar, until the runner registers it
+    grammar_key: str = ""  # its constraint's compiled grammar, held by the runner by this key
 
     @property
     def tokens(self) -> list[int]:

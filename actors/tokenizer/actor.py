@@ -6,24 +6,37 @@ input is an ErrorReply and changes nothing), then submitted to the scheduler.
 Each step's `TokenBatch` from the scheduler becomes one `OutputBatch` per
 destination actor. Stop strings are matched here: the text up to the stop is
 emitted, and the scheduler is told to end the request.
+
+Invariants (one client never stalls or strands another):
+- Nothing is accepted and then lost: the submit to the scheduler is a call, and `Accepted`
+  is the reply only once the scheduler has queued the request; a failed hand-off undoes the
+  request here (stream, in-flight slot, session turn) and the client gets an error.
+- A constraint's grammar is compiled beside the mailbox (`reply_later`): the mailbox keeps
+  serving other requests' tokens meanwhile. A compile is bounded in time and in bytes (a
+  400 naming the limit), one compile serves every request of the same constraint, and the
+  compiled grammars kept here are bounded in bytes. The runner gets each grammar once, by
+  key (`LoadGrammar`, acknowledged), before a request naming that key is submitted.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import anyio
 import msgspec
 
-from actors.runtime import Actor
+from actors.runtime import Actor, RemoteError, UnexpectedReply
 from actors.tokenizer.chat_template import ChatTemplateError, render_chat
 from actors.tokenizer.detokenizer import IncrementalDetokenizer
 from actors.tokenizer.validation import (
     ERR_INVALID_REQUEST,
     ERR_OVERLOADED,
+    ERR_UNAVAILABLE,
     BadRequest,
     Overloaded,
+    Unavailable,
     check_params,
     check_prompt_ids,
     check_prompt_size,
@@ -31,6 +44,9 @@ from actors.tokenizer.validation import (
     fit_to_context,
 )
 from actors.tool_calls import prompt_messages, template_knows_tools
+from kernels.grammar import ByteLRU
+from transport.channel import ChannelClosed
+from transport.messages.base import Message
 from transport.messages.control import ErrorReply
 from transport.messages.engine import (
     AbortGeneration,
@@ -50,10 +66,22 @@ from transport.messages.engine import (
     TokenizeRequest,
     TokenLogprob,
 )
+from transport.messages.runner import GrammarLoaded, LoadGrammar
 from transport.messages.sessions import BeginTurn, BeginTurnReply, EndTurn
 
 OFFLOAD_ENCODE_CHARS = 8192  # longer prompts are tokenized in a worker thread
 TEMPLATE_TIMEOUT_S = 5.0  # a chat template that renders longer is refused
+# Constrained output (engine.grammar_* in the config): a compile slower or larger than this
+# is refused; compiled grammars kept here at most (bytes).
+GRAMMAR_COMPILE_TIMEOUT_S = 5.0
+GRAMMAR_MAX_BYTES = 16 << 20
+GRAMMAR_CACHE_BYTES = 256 << 20
+# Grammars compiled at once. A compile cannot be interrupted: one that outlives its request's
+# timeout finishes in the background (and is cached), holding its slot until then, so slow
+# compiles never pile up threads.
+GRAMMAR_COMPILERS = 2
+GRAMMAR_REFUSALS_KEPT = 1024  # constraints refused for good (invalid, too large), remembered
+HANDOFF_TIMEOUT_S = 20.0  # the scheduler or the runner must take a hand-off within this
 
 
 @dataclass
@@ -70,6 +98,22 @@ class _Stream:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet sent
     queue_time_s: float = -1.0
     session_id: str = ""  # a session's turn: the sessions actor hears when it ends
+
+
+@dataclass
+class _Pending:
+    """A request between its acceptance checks and its submit (its client id is reserved)."""
+
+    aborted: bool = False  # the client left meanwhile: it is not submitted
+
+
+@dataclass
+class _Compile:
+    """One grammar compile in flight, shared by every request of that constraint."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    data: bytes | None = None  # the serialized grammar, when it compiled within the limits
+    error: str = ""  # else why not (a BadRequest message)
 
 
 class SessionRefused(Exception):
@@ -96,8 +140,23 @@ class TokenizerActor(Actor):
         chat_template: str | None = None,
         max_in_flight: int = 0,
         template_timeout_s: float = TEMPLATE_TIMEOUT_S,
+        runner: str | None = "runner",
+        grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S,
+        grammar_max_bytes: int = GRAMMAR_MAX_BYTES,
+        grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES,
     ):
         self.template_timeout_s = template_timeout_s
+        self.runner_name = runner
+        self.grammar_compile_timeout_s = grammar_compile_timeout_s
+        self.grammar_max_bytes = grammar_max_bytes
+        self._grammar_cache = ByteLRU(grammar_cache_bytes)  # key -> serialized grammar
+        self._grammar_refusals: OrderedDict[str, str] = OrderedDict()  # key -> why
+        self._compiles: dict[str, _Compile] = {}  # key -> the compile in flight
+        self._handoffs: dict[str, anyio.Lock] = {}  # key -> its hand-over to the runner
+        self._compile_slots = anyio.CapacityLimiter(GRAMMAR_COMPILERS)
+        self._grammar_engine = None  # kernels.grammar.GrammarEngine, built on first use
+        self._grammar_engine_lock = anyio.Lock()
+        self._pending: dict[str, _Pending] = {}  # client_rid -> a request not yet submitted
         self.model_path = model
         self.context_len = context_len
         # Requests accepted and not finished, at most (0: unbounded). Beyond it a request is
@@ -124,6 +183,7 @@ class TokenizerActor(Actor):
         )
         self.scheduler = self.ref(self.scheduler_name)
         self.sessions = self.optional_ref(self.sessions_name)  # None: no sessions here
+        self.runner = self.optional_ref(self.runner_name)  # None: no runner to hand grammars
 
     # ---- requests ------------------------------------------------------------------------
     async def handle(self, msg, sender):
@@ -132,13 +192,13 @@ class TokenizerActor(Actor):
             return None
         if isinstance(msg, GenerateRequest):
             try:
-                return await self._on_generate(msg)
-            except BadRequest as exc:
-                return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
-            except Overloaded as exc:
-                return ErrorReply(code=ERR_OVERLOADED, message=str(exc))
-            except SessionRefused as exc:
-                return ErrorReply(code=exc.code, message=exc.message)
+                pending = self._admit(msg)
+            except (BadRequest, Overloaded) as exc:
+                return _refusal(exc)
+            if msg.params.constraint is not None:
+                # A compile may take seconds: it runs beside the mailbox, which goes on.
+                return self.reply_later(self._generate, msg, pending)
+            return await self._generate(msg, pending)
         if isinstance(msg, TokenizeRequest):
             try:
                 return await self._tokenize(msg)
@@ -151,6 +211,9 @@ class TokenizerActor(Actor):
                 return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
             return DetokenizeReply(prompt=self.bundle.tokenizer.decode(msg.tokens))
         if isinstance(msg, AbortGeneration):
+            for c in msg.client_rids:
+                if c in self._pending:
+                    self._pending[c].aborted = True  # not submitted yet: it never will be
             rids = [self.by_client[c] for c in msg.client_rids if c in self.by_client]
             if rids:
                 await self.scheduler.send(EndRequests(rids=rids, reason="abort"))
@@ -241,9 +304,12 @@ class TokenizerActor(Actor):
         return text
 
     async def _tokenize(self, msg: TokenizeRequest) -> TokenizeReply:
+        """Bounded as a prompt is (its characters before tokenizing, its tokens after: a 400
+        beyond the context); the token strings, when asked for, are made in this same call."""
         if (msg.prompt is None) == (msg.messages is None):
             raise BadRequest("give exactly one of prompt, messages")
         if msg.prompt is not None:
+            check_prompt_size(len(msg.prompt), self.context_len, self.max_token_chars)
             ids = await self._encode(msg.prompt, msg.add_special_tokens)
         else:
             text = await self._render(
@@ -252,8 +318,16 @@ class TokenizerActor(Actor):
                 msg.continue_final_message,
                 msg.chat_template_kwargs,
             )
+            check_prompt_size(len(text), self.context_len, self.max_token_chars)
             ids = await self._encode(text, False)
-        return TokenizeReply(tokens=ids, max_model_len=self.context_len)
+        if len(ids) > self.context_len:
+            raise BadRequest(
+                f"prompt is {len(ids)} tokens; this model's context is {self.context_len} tokens"
+            )
+        strs: list[str] = []
+        if msg.return_token_strs:
+            strs = self.bundle.tokenizer.decode_batch([[t] for t in ids])
+        return TokenizeReply(tokens=ids, token_strs=strs, max_model_len=self.context_len)
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # Long texts are encoded off the event loop so the scheduler and the gateway,
@@ -262,78 +336,221 @@ class TokenizerActor(Actor):
             return self.bundle.encode(text, add_special_tokens=add_special_tokens)
         return await anyio.to_thread.run_sync(self.bundle.encode, text, add_special_tokens)
 
-    async def _on_generate(self, msg: GenerateRequest) -> Accepted:
-        if msg.client_rid in self.by_client:
+    def _admit(self, msg: GenerateRequest) -> _Pending:
+        """The checks that need no waiting; reserves the client id until the request is
+        submitted or refused (`_generate` releases it)."""
+        if msg.client_rid in self.by_client or msg.client_rid in self._pending:
             raise BadRequest(f"request id {msg.client_rid!r} is already running")
-        if self.max_in_flight and len(self.streams) >= self.max_in_flight:
-            raise Overloaded(f"{len(self.streams)} requests are in the engine already; retry later")
+        in_flight = len(self.streams) + len(self._pending)
+        if self.max_in_flight and in_flight >= self.max_in_flight:
+            raise Overloaded(f"{in_flight} requests are in the engine already; retry later")
         check_params(msg.params, self.vocab)
-        grammar = await self._compile(msg.params.constraint)
+        pending = self._pending[msg.client_rid] = _Pending()
+        return pending
+
+    async def _generate(self, msg: GenerateRequest, pending: _Pending) -> Message:
+        """`Accepted` once the scheduler has the request, else the refusal; either way the
+        client id's reservation ends here."""
+        try:
+            grammar_key = ""
+            if msg.params.constraint is not None:
+                grammar_key = await self._grammar_key(msg.params.constraint)
+            return await self._on_generate(msg, pending, grammar_key)
+        except (BadRequest, Overloaded, Unavailable, SessionRefused) as exc:
+            return _refusal(exc)
+        finally:
+            if self._pending.get(msg.client_rid) is pending:
+                del self._pending[msg.client_rid]
+
+    async def _on_generate(self, msg: GenerateRequest, pending: _Pending, grammar_key: str):
         ids = await self.encode_prompt(msg)
         p = fit_to_context(msg.params, len(ids), self.context_len)
         rid = next(self._rids)
         if msg.session_id:
             p = await self._begin_turn(msg.session_id, rid, len(ids), p)
-        detok = IncrementalDetokenizer(
-            self.bundle.tokenizer,
-            prompt_ids=ids,
-            skip_special_tokens=p.skip_special_tokens,
-            stop=p.stop,
-            stop_token_ids=p.stop_token_ids,
-            include_stop_str_in_output=p.include_stop_str_in_output,
-        )
-        self.streams[rid] = _Stream(
+        st = _Stream(
             msg.client_rid,
             msg.reply_to,
-            detok,
+            IncrementalDetokenizer(
+                self.bundle.tokenizer,
+                prompt_ids=ids,
+                skip_special_tokens=p.skip_special_tokens,
+                stop=p.stop,
+                stop_token_ids=p.stop_token_ids,
+                include_stop_str_in_output=p.include_stop_str_in_output,
+            ),
             p,
             len(ids),
             prompt_ids=list(ids) if p.prompt_logprobs is not None else None,
             session_id=msg.session_id,
         )
-        self.by_client[msg.client_rid] = rid
-        eos = [] if p.ignore_eos else list(self.bundle.eos_ids)
-        await self.scheduler.send(
-            SubmitRequests(
-                reqs=[
-                    NewRequest(
-                        rid=rid,
-                        prompt_ids=ids,
-                        params=p,
-                        eos_ids=eos,
-                        session_id=msg.session_id,
-                        grammar=grammar,
-                    )
-                ]
+        try:
+            if pending.aborted:
+                raise Unavailable("the request was aborted before it started")
+            # From here the stream (not the reservation) holds the client id and its slot.
+            self.streams[rid] = st
+            self.by_client[msg.client_rid] = rid
+            del self._pending[msg.client_rid]
+            eos = [] if p.ignore_eos else list(self.bundle.eos_ids)
+            new = NewRequest(
+                rid=rid,
+                prompt_ids=ids,
+                params=p,
+                eos_ids=eos,
+                session_id=msg.session_id,
+                grammar_key=grammar_key,
             )
-        )
+            await self._submit(new)
+        except BaseException:
+            # Never queued: nothing of it stays here, and its session turn is over.
+            if self.streams.get(rid) is st:
+                del self.streams[rid]
+                self.by_client.pop(msg.client_rid, None)
+            if msg.session_id:
+                await self._end_turn_now(msg.session_id, rid)
+            raise
         return Accepted(client_rid=msg.client_rid, rid=rid, prompt_tokens=len(ids))
 
-    async def _compile(self, constraint) -> bytes:
-        """The constraint's grammar, compiled (off the event loop, once per constraint) and
-        serialized for the runner; b"" without a constraint. A constraint the grammar engine
-        refuses is the client's bad request."""
-        if constraint is None:
-            return b""
-        from kernels.grammar import GrammarEngine, GrammarError, grammar_available
-
-        if not grammar_available():
-            raise BadRequest("constraint: constrained output needs the xgrammar package")
-        bundle = self.bundle
-
-        def compile_() -> bytes:
-            engine = GrammarEngine.shared(
-                str(bundle.extra.get("source", self.model_path)),
-                bundle.tokenizer,
-                bundle.vocab_size,
-                bundle.eos_ids,
-            )
-            return engine.compile_serialized(constraint.kind, constraint.spec, constraint.choices)
-
+    async def _submit(self, new: NewRequest) -> None:
+        """Hand the request to the scheduler, acknowledged: `Unavailable` when it did not
+        take it (a message it could not decode, a refusal, no answer)."""
         try:
-            return await anyio.to_thread.run_sync(compile_)
+            await self.scheduler.call(SubmitRequests(reqs=[new]), timeout=HANDOFF_TIMEOUT_S)
+        except TimeoutError:
+            # It may still arrive: make sure it ends at once if it does.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                await self.scheduler.send(EndRequests(rids=[new.rid], reason=FinishReason.ABORT))
+            raise Unavailable("the scheduler did not take the request in time; retry") from None
+        except (RemoteError, UnexpectedReply, ChannelClosed) as exc:
+            raise Unavailable(f"the scheduler did not take the request: {exc}"[:1000]) from None
+
+    async def _end_turn_now(self, session_id: str, rid: int) -> None:
+        if self.sessions is None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+            await self.sessions.send(
+                EndTurn(session_id=session_id, rid=rid, ok=False, total_tokens=0)
+            )
+
+    # ---- grammars --------------------------------------------------------------------------
+    async def _grammar_key(self, constraint) -> str:
+        """The key of the constraint's compiled grammar, once it is compiled (or found) here
+        and held by the runner. `BadRequest` names what is wrong or which limit it broke."""
+        from kernels.grammar import constraint_key
+
+        key = constraint_key(constraint.kind, constraint.spec, constraint.choices)
+        data = await self._compiled(key, constraint)
+        await self._hand_to_runner(key, data)
+        return key
+
+    async def _compiled(self, key: str, constraint) -> bytes:
+        data = self._grammar_cache.get(key)
+        if data is not None:
+            return data
+        if key in self._grammar_refusals:
+            raise BadRequest(self._grammar_refusals[key])
+        engine = await self._engine()  # its first build (seconds) is not the compile's time
+        job = self._compiles.get(key)
+        if job is None:
+            job = self._compiles[key] = _Compile()
+            self.spawn(self._compile, key, constraint, engine, job)
+        limit = self.grammar_compile_timeout_s
+        with anyio.move_on_after(limit):
+            await job.done.wait()
+        if not job.done.is_set():
+            raise BadRequest(
+                f"constraint: the grammar did not compile within {limit:g} s "
+                "(the server's engine.grammar_compile_timeout_s)"
+            )
+        if job.data is None:
+            raise BadRequest(job.error)
+        return job.data
+
+    async def _compile(self, key: str, constraint, engine, job: _Compile) -> None:
+        """Compile in a worker thread, at most GRAMMAR_COMPILERS at once; the result goes to
+        every waiter and, within the size limit, to the cache. Never raises (a background
+        task's exception would crash the tokenizer)."""
+        from kernels.grammar import GrammarError
+
+        keep_refusal = True
+        try:
+            async with self._compile_slots:
+                data = await anyio.to_thread.run_sync(
+                    engine.compile_serialized,
+                    constraint.kind,
+                    constraint.spec,
+                    constraint.choices,
+                    abandon_on_cancel=True,
+                )
+            if len(data) > self.grammar_max_bytes:
+                job.error = (
+                    f"constraint: the compiled grammar is {_mib(len(data))} MiB, over the "
+                    f"limit of {_mib(self.grammar_max_bytes)} MiB (the server's "
+                    "engine.grammar_max_bytes); simplify it (fewer repetitions or alternatives)"
+                )
+            else:
+                job.data = data
+                self._grammar_cache.put(key, data, len(data))
         except GrammarError as exc:
-            raise BadRequest(f"constraint: {exc}") from None
+            job.error = f"constraint: {exc}"
+        except Exception as exc:
+            keep_refusal = False
+            job.error = f"constraint: the grammar failed to compile: {type(exc).__name__}: {exc}"
+            job.error = job.error[:1000]
+        finally:
+            del self._compiles[key]
+            if job.error and keep_refusal:
+                self._grammar_refusals[key] = job.error
+                while len(self._grammar_refusals) > GRAMMAR_REFUSALS_KEPT:
+                    self._grammar_refusals.popitem(last=False)
+            job.done.set()
+
+    async def _engine(self):
+        if self._grammar_engine is None:
+            from kernels.grammar import GrammarEngine, grammar_available
+
+            if not grammar_available():
+                raise BadRequest("constraint: constrained output needs the xgrammar package")
+            bundle = self.bundle
+
+            def build():
+                return GrammarEngine.shared(
+                    str(bundle.extra.get("source", self.model_path)),
+                    bundle.tokenizer,
+                    bundle.vocab_size,
+                    bundle.eos_ids,
+                )
+
+            async with self._grammar_engine_lock:
+                if self._grammar_engine is None:
+                    self._grammar_engine = await anyio.to_thread.run_sync(build)
+        return self._grammar_engine
+
+    async def _hand_to_runner(self, key: str, data: bytes) -> None:
+        """Make sure the runner holds the grammar: ask by key, send the bytes only when it
+        does not (once per key while it keeps it). Acknowledged, or `Unavailable`."""
+        if self.runner is None:
+            return
+        # One hand-over per key at a time: requests of one constraint send it once.
+        lock = self._handoffs.setdefault(key, anyio.Lock())
+        try:
+            async with lock:
+                reply = await self.runner.call(
+                    LoadGrammar(key=key), expect=GrammarLoaded, timeout=HANDOFF_TIMEOUT_S
+                )
+                if not reply.present:
+                    reply = await self.runner.call(
+                        LoadGrammar(key=key, data=data),
+                        expect=GrammarLoaded,
+                        timeout=HANDOFF_TIMEOUT_S,
+                    )
+        except (RemoteError, UnexpectedReply, ChannelClosed, TimeoutError) as exc:
+            raise Unavailable(f"the model runner did not take the grammar: {exc}"[:1000]) from None
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                self._handoffs.pop(key, None)
+        if not reply.present:
+            raise Unavailable("the model runner cannot keep this grammar; retry later")
 
     async def _begin_turn(
         self, session_id: str, rid: int, prompt_tokens: int, p: GenerationParams
@@ -503,6 +720,21 @@ class TokenizerActor(Actor):
 
     def stats(self) -> dict[str, int | float]:
         return {"live_streams": len(self.streams)}
+
+
+def _refusal(exc: Exception) -> ErrorReply:
+    """The ErrorReply a refused request gets (its code picks the HTTP status)."""
+    if isinstance(exc, BadRequest):
+        return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
+    if isinstance(exc, Overloaded):
+        return ErrorReply(code=ERR_OVERLOADED, message=str(exc))
+    if isinstance(exc, SessionRefused):
+        return ErrorReply(code=exc.code, message=exc.message)
+    return ErrorReply(code=ERR_UNAVAILABLE, message=str(exc))
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f}"
 
 
 def _msg_dict(m) -> dict:

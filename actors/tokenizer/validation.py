@@ -15,6 +15,9 @@ from transport.messages.params import GenerationParams, InvalidParams, validate_
 
 ERR_INVALID_REQUEST = "invalid_request"  # ErrorReply code for bad client input (HTTP 400)
 ERR_OVERLOADED = "overloaded"  # ErrorReply code when the queue is full (HTTP 429)
+# ErrorReply code when the engine could not take an accepted-looking request (HTTP 503): the
+# same value as the frontends' ERR_ENGINE_STOPPED
+ERR_UNAVAILABLE = "engine_stopped"
 
 
 class BadRequest(ValueError):
@@ -23,6 +26,11 @@ class BadRequest(ValueError):
 
 class Overloaded(RuntimeError):
     """Too many requests in the engine already; the gateway maps it to HTTP 429."""
+
+
+class Unavailable(RuntimeError):
+    """A hand-off inside the engine failed (the scheduler or the runner did not take the
+    request); the client hears it (HTTP 503) and nothing of the request is left behind."""
 
 
 def check_prompt_size(chars: int, context_len: int, max_token_chars: int) -> None:

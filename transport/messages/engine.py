@@ -55,11 +55,12 @@ class TokenizeRequest(Message):
     add_generation_prompt: bool = True  # for messages
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, str | int | float | bool | None] = {}
+    return_token_strs: bool = False  # the reply carries each token's text too (same call)
 
 
 class TokenizeReply(Message):
     tokens: list[int]
-    token_strs: list[str] = []
+    token_strs: list[str] = []  # with return_token_strs: one per token
     max_model_len: int = 0
 
 
@@ -89,10 +90,16 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     params: GenerationParams
     eos_ids: list[int]  # stop ids from the model, honoured unless ignore_eos
     session_id: str = ""  # a streaming session's turn
-    grammar: bytes = b""  # params.constraint compiled by the tokenizer (serialized xgrammar)
+    # params.constraint's compiled grammar, by key: the tokenizer compiled it and the runner
+    # holds it (`LoadGrammar`) before this request is submitted
+    grammar_key: str = ""
 
 
 class SubmitRequests(HotMessage):
+    """Tokenizer -> scheduler, a call: answered (Ack) once the requests are queued, so a
+    submit that is lost (undecodable, too large, a scheduler that is gone) is an error the
+    tokenizer passes on to the client, never silence."""
+
     reqs: list[NewRequest]
 
 

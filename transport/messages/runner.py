@@ -5,6 +5,11 @@ Its new KV goes to row `rows[i]` at positions [prefix_lens[i], prefix_lens[i] +
 extend_lens[i]); the slots are in the runner's replica after `deltas` apply.
 Sampling state is registered once per request (`new_reqs`) and dropped when it
 appears in `finished_rids`, so a decode step carries no per-request parameters.
+
+A compiled grammar (it may be MiBs) never rides in a forward batch: the tokenizer hands it to
+the runner once per key in a `LoadGrammar` call of its own, and a request names it by key. A
+request whose key the runner does not hold (evicted, or a restarted runner) comes back in
+`StepResultMsg.failed_rids` and ends with an error; the rest of the step is unaffected.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import msgspec
 
 from transport.messages.alloc import SlotDeltas
-from transport.messages.base import HotMessage
+from transport.messages.base import HotMessage, Message
 from transport.messages.params import GenerationParams
 
 
@@ -22,7 +27,7 @@ class RunnerRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     rid: int
     params: GenerationParams
     prompt_ids: list[int] = []  # only when repetition_penalty != 1 (it counts prompt tokens)
-    grammar: bytes = b""  # params.constraint's compiled grammar (serialized), when it has one
+    grammar_key: str = ""  # params.constraint's compiled grammar, loaded by `LoadGrammar`
 
 
 class ForwardBatchMsg(HotMessage):
@@ -57,3 +62,21 @@ class StepResultMsg(HotMessage):
     prompt_top_ids: list[list[int]] = []
     prompt_top_logprobs: list[list[float]] = []
     prompt_ranks: list[int] = []
+    # Requests of this batch the runner could not serve (e.g. their grammar is not loaded):
+    # nothing sampled for them; the scheduler ends them with an error. `failure` says why.
+    failed_rids: list[int] = []
+    failure: str = ""
+
+
+class LoadGrammar(Message):
+    """Tokenizer -> runner (a call): keep this compiled grammar under `key` (bytes from
+    `GrammarEngine.compile_serialized`). Empty `data`: only ask whether it is held (and mark
+    it used). Answered by `GrammarLoaded`."""
+
+    key: str
+    data: bytes = b""
+
+
+class GrammarLoaded(Message):
+    key: str
+    present: bool  # the runner holds the grammar now

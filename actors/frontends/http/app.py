@@ -453,12 +453,11 @@ class GatewayApp:
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+                return_token_strs=req.return_token_strs,  # made in the same call
             )
         except GenerationError as exc:
             raise from_generation_error(exc) from None
-        strs = None
-        if req.return_token_strs:
-            strs = [(await self.client.detokenize([t])) for t in reply.tokens]
+        strs = reply.token_strs if req.return_token_strs else None
         body = TokenizeResponse(
             count=len(reply.tokens),
             max_model_len=self.context_len,
