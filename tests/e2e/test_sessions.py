@@ -187,6 +187,7 @@ def test_http_sessions_with_the_openai_client(server):
         metrics = scrape_metrics(server)
         assert metrics["kvactor:sessions_open"] >= 1
         assert metrics['kvactor:kv_pages{state="session"}'] > 0
+        assert metrics["kvactor:session_reclaims_total"] == 0  # nothing pressed it out
 
         # One turn at a time: a second one while the first streams gets 409.
         stream = oa.chat.completions.create(

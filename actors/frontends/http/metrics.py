@@ -214,6 +214,12 @@ class EngineCollector(Collector):
                     m,
                     kv.swa_freed_pages,
                 )
+                yield _counter(
+                    f"{OWN}kv_tree_heals",
+                    "Prefix-tree pages whose freed sliding KV was replaced by a fresh page",
+                    m,
+                    kv.tree_heals,
+                )
             yield _gauge(f"{OWN}sessions_open", "Open streaming sessions", m, kv.sessions_open)
             yield _gauge(
                 f"{OWN}sessions_holding_kv",
@@ -226,6 +232,12 @@ class EngineCollector(Collector):
                 "Prompt tokens served from streaming sessions' KV",
                 m,
                 kv.session_hit_tokens,
+            )
+            yield _counter(
+                f"{OWN}session_reclaims",
+                "Idle sessions whose KV went to the prefix tree (pin cap or KV pressure)",
+                m,
+                kv.session_reclaims,
             )
             yield _gauge(f"{OWN}kv_held_rows", "req-to-token rows held", m, kv.held_rows)
             yield _counter(
