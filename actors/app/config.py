@@ -87,6 +87,10 @@ class SessionsSection(_Section):
     max_sessions: int = 16
     default_ttl_s: float = 300.0  # a session idle this long closes itself (its KV released)
     max_ttl_s: float = 3600.0  # the longest idle timeout a client may ask for
+    # Share of kv.num_pages idle sessions may pin between turns. Past it, and whenever a
+    # request needs pages nothing else can give, the least recently used idle session's KV
+    # goes to the prefix tree (cached, evictable); its next turn prefills what was lost.
+    max_pinned_share: float = 0.5
 
 
 class EngineSection(_Section):
@@ -172,6 +176,10 @@ class EngineConfig(_Section):
                 "kv.max_rows must be >= scheduler.max_running_requests",
             ),
             (self.sessions.max_sessions >= 0, "sessions.max_sessions must be >= 0"),
+            (
+                0.0 <= self.sessions.max_pinned_share <= 1.0,
+                "sessions.max_pinned_share must be in [0, 1]",
+            ),
             (
                 0 < self.sessions.default_ttl_s <= self.sessions.max_ttl_s,
                 "sessions: 0 < default_ttl_s <= max_ttl_s must hold",

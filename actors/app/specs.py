@@ -96,6 +96,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 sliding_window=window,
                 swa_free_step=kv.swa_free_step,
                 swa_free_prompt=kv.swa_free_prompt,
+                session_max_pages=int(cfg.sessions.max_pinned_share * kv.num_pages),
             ),
             group=group("allocator", "main"),
         ),
