@@ -285,3 +285,29 @@ def test_an_aborted_turn_wipes_the_kv_and_the_next_turn_recomputes():
             assert h.sink.outputs[9999] == out3
 
     anyio.run(go)
+
+
+def test_a_request_never_waits_behind_idle_sessions_that_fill_the_pool():
+    """Three idle sessions pin 36 of 40 pages; a plain request needing 9 is served: the
+    least recently used session's KV goes to the prefix tree (counted), the others stay."""
+
+    async def go():
+        rng = random.Random(3)
+        async with SessionHarness(num_pages=40) as h:
+            sids = [await h.open() for _ in range(3)]
+            for sid in sids:
+                await h.turn(sid, rand_tokens(rng, 42))  # 47 with output: 12 pages each
+            kv = await h.settled()
+            assert kv.session_pages == 36 and kv.session_reclaims == 0
+            with anyio.fail_after(20):
+                await h.plain({7000: rand_tokens(rng, 30)})
+            # Served in full (before: cut at "length" with no token, a silent failure).
+            assert len(h.sink.outputs[7000]) == PARAMS.max_tokens
+            kv = await h.settled()
+            assert kv.session_reclaims == 1 and kv.session_slots == 2
+            # The released session still takes turns (prefilling what the tree lost).
+            rid, _ = await h.turn(sids[0], rand_tokens(rng, 10))
+            assert h.sink.finish[rid] not in ("abort", "error")
+            await h.settled()
+
+    anyio.run(go)
