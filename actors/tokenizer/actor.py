@@ -28,7 +28,7 @@ import anyio
 import msgspec
 
 from actors.runtime import Actor, RemoteError, UnexpectedReply
-from actors.tokenizer.chat_template import ChatTemplateError, render_chat
+from actors.tokenizer.chat_template import ChatTemplateError, render_chat, render_time_limit
 from actors.tokenizer.detokenizer import IncrementalDetokenizer
 from actors.tokenizer.validation import (
     ERR_INVALID_REQUEST,
@@ -266,14 +266,17 @@ class TokenizerActor(Actor):
             kwargs = {**kwargs, **extra}
 
         def render() -> str:
-            return render_chat(
-                self.chat_template,
-                dicts,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bundle.bos_token or "",
-                eos_token=self.bundle.eos_token or "",
-                **kwargs,
-            )
+            # The render stops itself at this limit (in its own thread, which is then free);
+            # the wait below is only the outer bound.
+            with render_time_limit(self.template_timeout_s):
+                return render_chat(
+                    self.chat_template,
+                    dicts,
+                    add_generation_prompt=add_generation_prompt,
+                    bos_token=self.bundle.bos_token or "",
+                    eos_token=self.bundle.eos_token or "",
+                    **kwargs,
+                )
 
         # Off the event loop the gateway and the scheduler share, and bounded in time; any
         # failure of a template (not only jinja's own errors) is the client's bad request.
