@@ -176,8 +176,10 @@ class SchedulerCore:
             self.finish(req, FinishReason.ERROR, out)
 
     def cut_short(self, req: Req, out: StepOutbox) -> None:
+        """The pool cannot hold `req` even alone: it ends with what it has ("length"), or
+        with an error when it has no token yet (a 200 with no tokens is no answer)."""
         self._remove(req)
-        self.finish(req, FinishReason.LENGTH, out)
+        self.finish(req, FinishReason.LENGTH if req.output_ids else FinishReason.ERROR, out)
 
     # ---- decode ----------------------------------------------------------------------------
     def on_decode_granted(self, decode: Sequence[Req], deltas: SlotDeltas) -> None:

@@ -385,7 +385,7 @@ def test_a_refused_admission_leaves_the_prefix_cache_alone():
             return h.sink, before, after
 
     sink, before, after = run(go)
-    assert sink.finish[2] == "length" and sink.outputs.get(2, []) == []  # cannot ever fit
+    assert sink.finish[2] == "error" and sink.outputs.get(2, []) == []  # cannot ever fit
     assert after.tree_pages == before.tree_pages and after.evicted_pages == 0
     assert sink.cached[3] == 32
 

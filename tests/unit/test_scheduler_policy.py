@@ -267,6 +267,16 @@ def test_core_admits_prefills_decodes_and_finishes():
     assert c.unregister == [1]
 
 
+def test_a_request_cut_short_before_its_first_token_ends_in_an_error():
+    c = core()
+    c.submit([new(1, 8), new(2, 8)])
+    out = StepOutbox()
+    c.cut_short(c.reqs[1], out)  # no token yet: the client must see an error
+    c.reqs[2].output_ids = [40]
+    c.cut_short(c.reqs[2], out)  # a token already: it ends by length with it
+    assert [r.finish for r in out.reports] == [FinishReason.ERROR, FinishReason.LENGTH]
+
+
 def test_core_end_aborts_at_the_safe_point_and_reports_cached_once():
     c = core()
     c.submit([new(1, 8)])
