@@ -27,16 +27,11 @@ from pathlib import Path
 
 import pytest
 
+from kvcore.req_kv_info import FIELDS as RECORD_FIELDS
+
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("actors", "kvcore", "kernels", "transport", "bin")
-FIELDS = {
-    "req_pool_idx",
-    "cache_protected_len",
-    "kv_committed_len",
-    "kv_allocated_len",
-    "swa_evict_floor",
-    "swa_evicted_seqlen",
-}
+FIELDS = set(RECORD_FIELDS)
 ALLOWED_DIRS = ("actors/allocator/", "kvcore/req_kv_info.py")
 
 # (file, enclosing function, field or "mark_released()") -> number of write sites
