@@ -3,7 +3,10 @@
 `LocalPrefixPort` never suspends, so a ledger coroutine can be run to completion
 with a single `send(None)`. `FakeKv` plays the model runner: it records which token
 each slot holds so tests can check that the prefix tree maps tokens to the KV that
-was actually written for them.
+was actually written for them. With a sliding pool it also keeps the runner's replica
+of the full -> sliding page map (applied from the `SwaMapDelta`s the ledger returns, in
+list order; a sliding page 0 unmaps) and the sliding layers' KV, written and read
+through that replica as the runner would.
 """
 
 from __future__ import annotations
@@ -27,16 +30,35 @@ def make_ledger(
     return ledger, tree
 
 
-class FakeKv:
-    """slot -> (token, position) written there, as a model runner would."""
+def is_map_delta(delta) -> bool:
+    """A `SwaMapDelta` (duck-typed: a mutant ledger module has classes of its own)."""
+    return hasattr(delta, "swa_pages")
 
-    def __init__(self, num_slots: int) -> None:
+
+class FakeKv:
+    """slot -> (token, position) written there, as a model runner would.
+
+    With `swa_pages`, the sliding layers too: `swa_map` is the runner's replica of the
+    full -> sliding page map and `swa_token` / `swa_pos` the sliding KV, written at
+    `swa_map[slot // page_size] * page_size + slot % page_size`.
+    """
+
+    def __init__(self, num_slots: int, page_size: int = 1, swa_pages: int = 0) -> None:
         self.token = np.full(num_slots, -1, dtype=np.int64)
         self.pos = np.full(num_slots, -1, dtype=np.int64)
         self.replica: dict[int, np.ndarray] = {}
+        self.page_size = page_size
+        self.swa_map = np.zeros(num_slots // page_size, dtype=np.int64) if swa_pages else None
+        swa_slots = (swa_pages + 1) * page_size if swa_pages else 0
+        self.swa_token = np.full(swa_slots, -1, dtype=np.int64)
+        self.swa_pos = np.full(swa_slots, -1, dtype=np.int64)
 
     def apply(self, deltas: list[SlotDelta], capacity: int) -> None:
         for d in deltas:
+            if is_map_delta(d):
+                assert self.swa_map is not None, "a sliding-page delta without a sliding pool"
+                self.swa_map[np.asarray(d.full_pages, dtype=np.int64)] = d.swa_pages
+                continue
             row = self.replica.setdefault(d.row, np.zeros(capacity, dtype=np.int64))
             row[d.start : d.start + len(d.slots)] = d.slots
 
@@ -44,6 +66,17 @@ class FakeKv:
         slots = self.replica[row][start:end]
         self.token[slots] = tokens[start:end]
         self.pos[slots] = np.arange(start, end)
+        if self.swa_map is not None:
+            swa = self.sliding_slots(slots)
+            have = swa >= self.page_size  # unmapped: the runner writes the padding page
+            self.swa_token[swa[have]] = tokens[start:end][have]
+            self.swa_pos[swa[have]] = np.arange(start, end)[have]
+
+    def sliding_slots(self, slots: np.ndarray) -> np.ndarray:
+        """Where the runner keeps the sliding KV of these (full) slots; < page_size when
+        their page has no sliding page in its replica."""
+        ps = self.page_size
+        return self.swa_map[slots // ps] * ps + slots % ps
 
     def assert_row_holds(self, row: int, tokens: np.ndarray, n: int) -> None:
         slots = self.replica[row][:n]

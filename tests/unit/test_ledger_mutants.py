@@ -1,7 +1,8 @@
 """Mutation tests: each plants one known bug in a copy of the ledger's source, and the
-property machines of tests/unit/test_ledger_properties.py, at their normal settings, must
-catch it. A mutant whose anchor text no longer exists fails loudly: update the list with
-the code."""
+property machines (tests/unit/test_ledger_properties.py for `MUTANTS`,
+tests/unit/test_ledger_swa_properties.py for the sliding-window `SWA_MUTANTS`), at their
+normal settings, must catch it. A mutant whose anchor text no longer exists fails loudly:
+update the list with the code."""
 
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ from tests.unit.test_ledger_properties import (
     LedgerMachinePage4,
     LedgerMachinePage16,
 )
+from tests.unit.test_ledger_swa_properties import SwaLedgerMachine, SwaLedgerMachinePage16
 
 LEDGER_SOURCE = Path(ledger_module.__file__).read_text()
 
 # name -> (text in actors/allocator/ledger.py, what replaces it)
 MUTANTS = {
     "cache_unfinished frees duplicates but leaves the row on them": (
-        "            self.table.write(row, rec.cache_protected_len, tree_part)\n"
-        "            deltas.append(SlotDelta(row, rec.cache_protected_len, tree_part))\n",
+        "            if row is not None:\n"
+        "                self.table.write(row, start, theirs)\n"
+        "                deltas.append(SlotDelta(row, start, theirs))\n",
         "",
     ),
     "admission matches the whole prompt (nothing left to compute)": (
@@ -35,14 +38,71 @@ MUTANTS = {
         "match = await self.tree.match_and_lock(tokens)",
     ),
     "the ledger never evicts": (
-        "            freed = await self.tree.evict(missing)\n",
-        "            freed = np.zeros(0, dtype=np.int64)\n",
+        "            freed = await self.tree.evict(missing)"
+        " if self.tree is not None else _NO_PAGES\n",
+        "            freed = _NO_PAGES\n",
     ),
     "forget() drops a held record": (
         'raise LedgerError(f"request {rid} still holds row {rec.req_pool_idx}")',
         "pass",
     ),
 }
+
+# Sliding-window bugs, for the machines with a sliding pool, sessions and the prefix tree.
+SWA_MUTANTS = {
+    "the window frees one page too far": (
+        "        hi = floor_page(first_query - self.window + 1, ps)\n",
+        "        hi = floor_page(first_query - self.window + 1, ps) + ps\n",
+    ),
+    "the window-freeing cursor is not advanced": (
+        "        rec.swa_evicted_seqlen = hi\n",
+        "",
+    ),
+    "the tree match is not cut where the window lost its KV": (
+        "                if usable < match.length:\n",
+        "                if False:\n",
+    ),
+    "the next query's window is read one position short when a match is cut": (
+        "first = max(0, end - self.window + 1) // ps",
+        "first = max(0, end - self.window + 2) // ps",
+    ),
+    "unmaps are not sent to the runner": (
+        "            deltas.append(SwaMapDelta(pages, np.zeros_like(pages)))\n",
+        "            pass\n",
+    ),
+    "pending unmaps reach the runner after a new mapping of the same page": (
+        "            self._send_unmapped(deltas)"
+        "  # a page unmapped earlier may be mapped again here\n",
+        "",
+    ),
+    "cache_unfinished swaps dead tree pages into the next chunk's window": (
+        "            need_alive_from=need_alive_from,\n",
+        "            need_alive_from=None,\n",
+    ),
+    "a finishing request never heals the tree (its pages all passed as dead)": (
+        "                    alive=self._alive(slots[:aligned]),\n",
+        "                    alive=None if self.swa is None else self._alive(slots) & False,\n",
+    ),
+    "a restored turn's floor covers KV the window already freed": (
+        "not self.swa_free_prompt and rec.swa_evicted_seqlen == 0:",
+        "not self.swa_free_prompt:",
+    ),
+    "a session restores although its window lost its KV": (
+        "swa_ok = slot.rec.swa_evicted_seqlen <= max(usable - self.window + 1, 0)",
+        "swa_ok = True",
+    ),
+    "an admitted prompt keeps no sliding KV (no floor)": (
+        "                rec.swa_evict_floor = total\n",
+        "                pass\n",
+    ),
+    "admission does not count the sliding pool": (
+        "swa_short = pages - returning - self.swa.num_free if self.swa is not None else 0",
+        "swa_short = 0",
+    ),
+}
+
+MACHINES = (LedgerMachine, LedgerMachinePage4, LedgerMachinePage16)
+SWA_MACHINES = (SwaLedgerMachine, SwaLedgerMachinePage16)
 
 
 def mutant_ledger_module(anchor: str, replacement: str) -> types.ModuleType:
@@ -55,9 +115,14 @@ def mutant_ledger_module(anchor: str, replacement: str) -> types.ModuleType:
     return module
 
 
-@pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_the_property_machines_catch_the_planted_bug(name):
-    mutant = mutant_ledger_module(*MUTANTS[name])
+@pytest.mark.parametrize(
+    ("name", "machines"),
+    [(name, MACHINES) for name in sorted(MUTANTS)]
+    + [(name, SWA_MACHINES) for name in sorted(SWA_MUTANTS)],
+    ids=[*sorted(MUTANTS), *sorted(SWA_MUTANTS)],
+)
+def test_the_property_machines_catch_the_planted_bug(name, machines):
+    mutant = mutant_ledger_module(*{**MUTANTS, **SWA_MUTANTS}[name])
     # The machines' own settings, deterministic, and no shrinking: finding is the point.
     quiet = settings(
         SETTINGS,
@@ -67,8 +132,14 @@ def test_the_property_machines_catch_the_planted_bug(name):
         phases=[Phase.explicit, Phase.generate],
         suppress_health_check=[*SETTINGS.suppress_health_check, HealthCheck.differing_executors],
     )
-    for machine in (LedgerMachine, LedgerMachinePage4, LedgerMachinePage16):
-        planted = type(f"Mutant{machine.__name__}", (machine,), {"ledger_class": mutant.KvLedger})
+    for machine in machines:
+        # (A refused admission that released an idle session is a separate, known finding:
+        # tolerated here so that only the planted bug can fail the machine.)
+        planted = type(
+            f"Mutant{machine.__name__}",
+            (machine,),
+            {"ledger_class": mutant.KvLedger, "refusal_may_release_sessions": True},
+        )
         try:
             run_state_machine_as_test(planted, settings=quiet)
         except (AssertionError, mutant.LedgerError, pytest.fail.Exception) as exc:
