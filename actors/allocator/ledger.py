@@ -249,9 +249,10 @@ class KvLedger:
                     return await self._restore(rid, session, slot, usable, tokens, budget, deltas)
                 await self._release_slot_kv(session, slot, cache=True)
         cached, node, prefix_slots = 0, None, None
+        need_row = admitting and self.table.num_free_rows == 0
+        if need_row and not self._idle_slots():
+            return None
         if admitting:
-            if self.table.num_free_rows == 0 and not await self._reclaim_session():
-                return None
             if self.tree is not None and total > 1 and match_prefix:
                 match = await self.tree.match_and_lock(tokens[: total - 1])
                 usable = self._swa_usable(match.slots, match.length)
@@ -267,6 +268,13 @@ class KvLedger:
             start = rec.kv_committed_len
         end = min(total, start + budget)
         row_tail = None if admitting else self._last_slot(rec)
+        if need_row:
+            # An idle session gives up its row only for an admission that then fits.
+            if await self._shortfall(self._pages_for(start, end, open_page=False)):
+                if node is not None:
+                    await self.tree.unlock(node)
+                return None
+            await self._reclaim_session()
         new_slots = await self._reserve_slots(start, end, row_tail, deltas)
         if new_slots is None:
             if node is not None:
@@ -277,8 +285,7 @@ class KvLedger:
             if rec is None:
                 rec = self.records[rid] = ReqKvInfo()
             row = self.table.alloc_row()
-            # checked above (reserving slots may reclaim a session, which returns its row)
-            assert row is not None
+            assert row is not None  # a row was free, or an idle session gave its own back
             rec.req_pool_idx = row
             rec.cache_protected_len = cached
             if self.swa is not None and not self.swa_free_prompt:
@@ -445,8 +452,10 @@ class KvLedger:
         slots = self.table.read(row, 0, aligned)
         need_alive_from = None
         if self.swa is not None and self.window:
-            # The next chunk's first query (at kv_committed_len) reads its window from here.
-            need_alive_from = floor_page(max(rec.kv_committed_len - self.window + 1, 0), ps)
+            # Sliding KV stays alive from the window of the last computed position on
+            # (kv_committed_len - window): the next chunk's first query reads one position
+            # less, and the checker holds every holder to this bound.
+            need_alive_from = floor_page(max(rec.kv_committed_len - self.window, 0), ps)
         res = await self.tree.insert(
             self._keys(rid, tokens)[:aligned],
             slots,

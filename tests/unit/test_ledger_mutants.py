@@ -133,13 +133,7 @@ def test_the_property_machines_catch_the_planted_bug(name, machines):
         suppress_health_check=[*SETTINGS.suppress_health_check, HealthCheck.differing_executors],
     )
     for machine in machines:
-        # (A refused admission that released an idle session is a separate, known finding:
-        # tolerated here so that only the planted bug can fail the machine.)
-        planted = type(
-            f"Mutant{machine.__name__}",
-            (machine,),
-            {"ledger_class": mutant.KvLedger, "refusal_may_release_sessions": True},
-        )
+        planted = type(f"Mutant{machine.__name__}", (machine,), {"ledger_class": mutant.KvLedger})
         try:
             run_state_machine_as_test(planted, settings=quiet)
         except (AssertionError, mutant.LedgerError, pytest.fail.Exception) as exc:

@@ -59,9 +59,6 @@ class SwaLedgerMachine(RuleBasedStateMachine):
     step_unit = 1  # swa_free_step = drawn units * step_unit tokens
     ledger_class: type = KvLedger
     check_runner_map = True  # oracle (a), and (b) through the runner's replica
-    # A refused admission changes nothing (alloc_extend's docstring), not even by releasing
-    # an idle session's slot to the tree to get a row.
-    refusal_may_release_sessions = False
 
     @initialize(
         pages=st.sampled_from([240, 120, 64, 24]),  # at page size 1; scaled down at 16
@@ -239,8 +236,7 @@ class SwaLedgerMachine(RuleBasedStateMachine):
             if slot is not None and slot.rec is not slot_rec:
                 event("a refused turn released its session's KV to the tree")
             elif getattr(self.ledger.counters, "session_reclaims", 0) > reclaims:
-                event("a refused admission released an idle session")
-                assert self.refusal_may_release_sessions, (
+                raise AssertionError(
                     f"request {rid}'s admission was refused after it released an idle "
                     "session's slot to the tree (a refusal should change nothing)"
                 )
