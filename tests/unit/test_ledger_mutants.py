@@ -10,6 +10,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -115,6 +116,37 @@ def mutant_ledger_module(anchor: str, replacement: str) -> types.ModuleType:
     return module
 
 
+def match_cut_exactly_at_a_dead_window_start(ledger_class) -> None:
+    """Page size 1, window 4: a finished request's output positions 2..7 lost their sliding
+    KV; a prompt matching 10 tokens needs position 7 for its first query, so the hit must be
+    cut (to 2). (The machines' window oracle finds this only on some paths; this example
+    finds it every time.)"""
+    from kvcore import SwaPages, check_invariants
+    from tests.unit.ledger_driver import make_ledger, run_sync
+
+    ledger, _ = make_ledger(64, 1, 4, 64, cls=ledger_class)
+    ledger.swa, ledger.window, ledger.swa_free_step = SwaPages(64, 64, 1), 4, 1
+    hist = np.arange(100, 113, dtype=np.int64)
+    run_sync(ledger.alloc_extend(1, hist[:2], 64, []))
+    for _ in range(10):
+        assert run_sync(ledger.alloc_decode([1], [])) == 0
+    run_sync(ledger.finish(1, hist))
+    ledger.forget(1)
+    prompt = np.concatenate([hist[:10], [7, 8]])
+    grant = run_sync(ledger.alloc_extend(2, prompt, 64, []))
+    check_invariants(run_sync(ledger.snapshot()))
+    assert grant.cached_len == 2, grant
+
+
+# Deterministic scenarios run before the machines (a planted bug either catches).
+SWA_EXAMPLES = (match_cut_exactly_at_a_dead_window_start,)
+
+
+def test_the_examples_pass_on_the_real_ledger():
+    for example in SWA_EXAMPLES:
+        example(ledger_module.KvLedger)
+
+
 @pytest.mark.parametrize(
     ("name", "machines"),
     [(name, MACHINES) for name in sorted(MUTANTS)]
@@ -132,6 +164,13 @@ def test_the_property_machines_catch_the_planted_bug(name, machines):
         phases=[Phase.explicit, Phase.generate],
         suppress_health_check=[*SETTINGS.suppress_health_check, HealthCheck.differing_executors],
     )
+    if machines is SWA_MACHINES:
+        for example in SWA_EXAMPLES:
+            try:
+                example(mutant.KvLedger)
+            except (AssertionError, mutant.LedgerError) as exc:
+                print(f"{name}: caught by {example.__name__}: {type(exc).__name__}: {exc}"[:300])
+                return
     for machine in machines:
         planted = type(f"Mutant{machine.__name__}", (machine,), {"ledger_class": mutant.KvLedger})
         try:
