@@ -243,8 +243,9 @@ class KvLedger:
                 usable = 0
                 if match_prefix and total > 1:
                     usable = common_prefix_len(slot.tokens, tokens[: total - 1])
-                # The first computed position reads its window: it must still be there.
-                swa_ok = slot.rec.swa_evicted_seqlen <= max(usable - self.window + 1, 0)
+                # The first computed position reads its window, over the whole row (the
+                # tree prefix too): every page of it must still have its sliding KV.
+                swa_ok = self._window_alive(slot.rec, usable)
                 if usable and usable >= slot.rec.cache_protected_len and swa_ok:
                     return await self._restore(rid, session, slot, usable, tokens, budget, deltas)
                 await self._release_slot_kv(session, slot, cache=True)
@@ -865,6 +866,14 @@ class KvLedger:
         pages = pages_of_slots(self.table.read(rec.req_pool_idx, lo, hi), ps)
         self.counters.swa_freed_pages += self._unmap(pages)
         rec.swa_evicted_seqlen = hi
+
+    def _window_alive(self, rec: ReqKvInfo, end: int) -> bool:
+        """The window a query at `end` reads, [end - window + 1, end), has sliding KV on
+        every page of `rec`'s row (always, without a sliding pool)."""
+        if self.swa is None or not self.window or end == 0:
+            return True
+        row = self.table.table[rec.req_pool_idx, max(end - self.window + 1, 0) : end]
+        return bool(self.swa.mapped(pages_of_slots(row, self.page_size)).all())
 
     def _swa_usable(self, slots: np.ndarray, length: int) -> int:
         """The longest page-aligned prefix of a cached prefix (`slots`, `length` tokens)

@@ -313,6 +313,9 @@ class SchedulerActor(Actor):
             if reply.short_pages == 0:
                 core.on_decode_granted(decode, reply.deltas)
                 return decode
+            # Refused (nothing allocated), but the reply may carry unmappings of pages the
+            # releases just before it freed: the runner must still hear them.
+            core.carry_deltas.append(reply.deltas)
             action = on_decode_shortfall(decode, core.prefilling)
             if isinstance(action, CutShort):
                 # Even alone it cannot grow: the pool is too small for this context.

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from actors.scheduler.request import Req
 from transport.messages.alloc import ReleaseItem, SlotDeltas
 from transport.messages.engine import TokenBatch
@@ -152,20 +154,61 @@ class StepOutbox:
 
 
 def merge_deltas(parts: Sequence[SlotDeltas]) -> SlotDeltas:
-    """One `SlotDeltas` applying `parts` in order."""
+    """One `SlotDeltas` with the effect of applying `parts` in order.
+
+    The runner applies a batch's deltas as one indexed write (rows, and the sliding page
+    map), where a position written twice has no defined winner. Parts from several
+    allocator replies can touch one position twice (a page unmapped by a release, then
+    mapped again; a failed step's deltas replayed before a row is reused), so the merge
+    keeps each position's last value."""
     parts = [p for p in parts if p.rows or p.swa_full_pages]
     if not parts:
         return SlotDeltas()
     if len(parts) == 1:
         return parts[0]
-    return SlotDeltas(
-        rows=[x for p in parts for x in p.rows],
-        starts=[x for p in parts for x in p.starts],
-        lengths=[x for p in parts for x in p.lengths],
-        slots=[x for p in parts for x in p.slots],
-        swa_full_pages=[x for p in parts for x in p.swa_full_pages],
-        swa_pages=[x for p in parts for x in p.swa_pages],
+    rows, starts, lengths, slots = _last_row_writes(
+        np.asarray([x for p in parts for x in p.rows], dtype=np.int64),
+        np.asarray([x for p in parts for x in p.starts], dtype=np.int64),
+        np.asarray([x for p in parts for x in p.lengths], dtype=np.int64),
+        np.asarray([x for p in parts for x in p.slots], dtype=np.int64),
     )
+    full, swa = _last_values(
+        np.asarray([x for p in parts for x in p.swa_full_pages], dtype=np.int64),
+        np.asarray([x for p in parts for x in p.swa_pages], dtype=np.int64),
+    )
+    return SlotDeltas(
+        rows=rows.tolist(),
+        starts=starts.tolist(),
+        lengths=lengths.tolist(),
+        slots=slots.tolist(),
+        swa_full_pages=full.tolist(),
+        swa_pages=swa.tolist(),
+    )
+
+
+def _last_values(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each key once, with its last value (keys sorted)."""
+    if keys.size == 0:
+        return keys, values
+    _, from_end = np.unique(keys[::-1], return_index=True)
+    keep = keys.size - 1 - from_end
+    return keys[keep], values[keep]
+
+
+def _last_row_writes(rows, starts, lengths, slots):
+    """Row runs (row, start, length, their slots) rewritten so each (row, position) is
+    written once, with its last slot, as runs of consecutive positions."""
+    if rows.size == 0:
+        return rows, starts, lengths, slots
+    row_of = np.repeat(rows, lengths)
+    run_first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    pos = np.arange(slots.size, dtype=np.int64) - run_first + np.repeat(starts, lengths)
+    key = row_of * (int(pos.max()) + 1) + pos
+    key, keep = _last_values(key, np.arange(slots.size))
+    r, p, s = row_of[keep], pos[keep], slots[keep]
+    first = np.flatnonzero(np.concatenate([[True], (np.diff(r) != 0) | (np.diff(p) != 1)]))
+    run_lengths = np.diff(np.concatenate([first, [r.size]]))
+    return r[first], p[first], run_lengths, s
 
 
 def runner_request(req: Req) -> RunnerRequest:

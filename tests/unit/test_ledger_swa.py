@@ -299,3 +299,31 @@ def test_the_runner_learns_every_unmapping_before_a_page_is_mapped_again():
     d.extend(2, toks(2, 20))  # the pending unmappings lead this reply's deltas
     assert np.array_equal(d.runner_map(), d.ledger.swa.map)
     del hist
+
+
+def test_a_session_restore_never_reads_dead_tree_pages_in_its_window():
+    """Page size 1, window 4. A session turn computed without the prefix cache takes dead
+    tree pages below its window (another request locks them, so they cannot heal); a later
+    turn restoring at 9 would read positions 6..8 through them: it must not restore."""
+    ledger, _ = make_ledger(200, 1, 8, 64)
+    ledger.swa, ledger.window, ledger.swa_free_step = SwaPages(200, 200, 1), 4, 1
+    t = np.arange(1000, 1040, dtype=np.int64)
+    run_sync(ledger.alloc_extend(1, t[:2], 100, []))
+    while ledger.records[1].kv_committed_len < 20:
+        run_sync(ledger.alloc_decode([1], []))
+    run_sync(ledger.finish(1, t[:21]))  # the tree holds 20 tokens, [2, 16) dead
+    ledger.forget(1)
+    run_sync(ledger.alloc_extend(2, t[:21], 100, []))  # locks the whole path
+    ledger.open_slot("s")
+    run_sync(ledger.alloc_extend(3, t[:25], 12, [], match_prefix=False, session="s"))
+    run_sync(ledger.cache_unfinished(3, t[:25], []))
+    run_sync(ledger.alloc_extend(3, t[:25], 100, []))
+    run_sync(ledger.alloc_decode([3], []))
+    run_sync(ledger.finish(3, t[:26]))
+    ledger.forget(3)
+    turn = np.concatenate([t[:9], np.arange(5000, 5010)])
+    g = run_sync(ledger.alloc_extend(4, turn, 100, [], session="s"))
+    row = ledger.table.table[ledger.records[4].req_pool_idx]
+    lo = max(g.start - 4 + 1, 0)
+    assert (ledger.swa.map[row[lo : g.end]] > 0).all(), (g, lo)
+    check_invariants(run_sync(ledger.snapshot()))

@@ -331,3 +331,24 @@ def test_forward_batch_layout():
     assert batch.input_ids == [d.output_ids[-1], *p.tokens[4:10]]
     assert batch.need_logits == [True, True] and batch.finished_rids == [3]
     assert new_reqs == [p] and batch.deltas.slots == [99]
+
+
+def test_merged_deltas_write_each_position_once_with_its_last_value():
+    """A release's unmapping and a later mapping of the same page, or a failed step's row
+    writes replayed before the row is reused, meet in one batch: the runner applies a batch
+    as one indexed write, so the merge keeps each position's last value."""
+    from actors.scheduler.batch import merge_deltas
+
+    first = SlotDeltas(
+        rows=[3], starts=[0], lengths=[4], slots=[10, 11, 12, 13],
+        swa_full_pages=[2, 5], swa_pages=[0, 7],
+    )  # fmt: skip
+    later = SlotDeltas(
+        rows=[3, 4], starts=[2, 0], lengths=[3, 2], slots=[20, 21, 22, 30, 31],
+        swa_full_pages=[2], swa_pages=[9],
+    )  # fmt: skip
+    merged = merge_deltas([first, later])
+    assert (merged.rows, merged.starts, merged.lengths) == ([3, 4], [0, 0], [5, 2])
+    assert merged.slots == [10, 11, 20, 21, 22, 30, 31]
+    assert dict(zip(merged.swa_full_pages, merged.swa_pages)) == {2: 9, 5: 7}
+    assert len(merged.swa_full_pages) == 2
