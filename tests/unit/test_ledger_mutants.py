@@ -89,7 +89,7 @@ SWA_MUTANTS = {
         "not self.swa_free_prompt:",
     ),
     "a session restores although its window lost its KV": (
-        "swa_ok = slot.rec.swa_evicted_seqlen <= max(usable - self.window + 1, 0)",
+        "swa_ok = self._window_alive(slot.rec, usable)",
         "swa_ok = True",
     ),
     "an admitted prompt keeps no sliding KV (no floor)": (
