@@ -243,9 +243,13 @@ class KvLedger:
                 usable = 0
                 if match_prefix and total > 1:
                     usable = common_prefix_len(slot.tokens, tokens[: total - 1])
-                # The first computed position reads its window, over the whole row (the
-                # tree prefix too): every page of it must still have its sliding KV.
-                swa_ok = self._window_alive(slot.rec, usable)
+                # The first computed position reads its window: the window never freed any of
+                # it (the record's cursor stays inside what the restore keeps), and every page
+                # of it, the tree prefix's too, still has its sliding KV.
+                first_read = max(usable - self.window + 1, 0)
+                swa_ok = slot.rec.swa_evicted_seqlen <= first_read and self._window_alive(
+                    slot.rec, usable
+                )
                 if usable and usable >= slot.rec.cache_protected_len and swa_ok:
                     return await self._restore(rid, session, slot, usable, tokens, budget, deltas)
                 await self._release_slot_kv(session, slot, cache=True)

@@ -89,8 +89,8 @@ SWA_MUTANTS = {
         "not self.swa_free_prompt:",
     ),
     "a session restores although its window lost its KV": (
-        "swa_ok = self._window_alive(slot.rec, usable)",
-        "swa_ok = True",
+        "swa_ok = slot.rec.swa_evicted_seqlen <= first_read and self._window_alive(",
+        "swa_ok = True or self._window_alive(",
     ),
     "an admitted prompt keeps no sliding KV (no floor)": (
         "                rec.swa_evict_floor = total\n",
