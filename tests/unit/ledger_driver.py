@@ -82,3 +82,29 @@ class FakeKv:
         slots = self.replica[row][:n]
         assert (self.token[slots] == tokens[:n]).all(), "row maps tokens to foreign KV"
         assert (self.pos[slots] == np.arange(n)).all(), "row maps positions to foreign KV"
+
+
+class RequestViews:
+    """The property machines' views of their requests (`self.tokens`: rid -> every token
+    known for it) through the ledger's records."""
+
+    def _rec(self, rid):
+        return self.ledger.records.get(rid)
+
+    def _held(self):
+        return [r for r in self.tokens if self._rec(r) is not None and self._rec(r).is_held]
+
+    def _prefilling(self):
+        return [r for r in self._held() if self._rec(r).kv_committed_len < len(self.tokens[r])]
+
+    def _decoding(self):
+        return [r for r in self._held() if self._rec(r).kv_committed_len == len(self.tokens[r])]
+
+    def _not_done(self):
+        return [
+            r
+            for r in self.tokens
+            if self._rec(r) is None
+            or not self._rec(r).is_held
+            or self._rec(r).kv_committed_len < len(self.tokens[r])
+        ]

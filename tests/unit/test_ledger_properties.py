@@ -25,12 +25,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from actors.allocator.ledger import KvLedger, LedgerError
 from kvcore import ceil_page
-from tests.unit.ledger_driver import FakeKv, make_ledger, run_sync
+from tests.unit.ledger_driver import FakeKv, RequestViews, make_ledger, run_sync
 
 BASES = [list(range(100, 140)), list(range(200, 230)), [100, 101, 102, 103, 300, 301]]
 
 
-class LedgerMachine(RuleBasedStateMachine):
+class LedgerMachine(RequestViews, RuleBasedStateMachine):
     page_size = 1
     ledger_class: type = KvLedger
 
@@ -54,27 +54,6 @@ class LedgerMachine(RuleBasedStateMachine):
     # -- helpers --
     def _apply(self, deltas):
         self.kv.apply(deltas, self.capacity)
-
-    def _rec(self, rid):
-        return self.ledger.records.get(rid)
-
-    def _held(self):
-        return [r for r in self.tokens if self._rec(r) is not None and self._rec(r).is_held]
-
-    def _prefilling(self):
-        return [r for r in self._held() if self._rec(r).kv_committed_len < len(self.tokens[r])]
-
-    def _decoding(self):
-        return [r for r in self._held() if self._rec(r).kv_committed_len == len(self.tokens[r])]
-
-    def _not_done(self):
-        return [
-            r
-            for r in self.tokens
-            if self._rec(r) is None
-            or not self._rec(r).is_held
-            or self._rec(r).kv_committed_len < len(self.tokens[r])
-        ]
 
     def _add(self, toks) -> int:
         rid = self.next_rid

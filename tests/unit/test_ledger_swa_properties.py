@@ -43,7 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from actors.allocator.ledger import KvLedger
 from kvcore import InvariantViolation, SwaPages, check_invariants, floor_page
-from tests.unit.ledger_driver import FakeKv, is_map_delta, make_ledger, run_sync
+from tests.unit.ledger_driver import FakeKv, RequestViews, is_map_delta, make_ledger, run_sync
 from tests.unit.test_ledger_properties import BASES, SETTINGS
 
 SESSIONS = ("s0", "s1")
@@ -52,7 +52,7 @@ LOGPROBS = st.sampled_from([False, False, False, True])  # prompt logprobs: no p
 SUFFIX = st.lists(st.integers(0, 50), min_size=1, max_size=12)
 
 
-class SwaLedgerMachine(RuleBasedStateMachine):
+class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
     page_size = 1
     capacity = 96
     window_unit = 1  # window = drawn units * window_unit tokens
@@ -96,27 +96,6 @@ class SwaLedgerMachine(RuleBasedStateMachine):
         self.next_rid = 0
 
     # -- helpers --
-    def _rec(self, rid):
-        return self.ledger.records.get(rid)
-
-    def _held(self):
-        return [r for r in self.tokens if self._rec(r) is not None and self._rec(r).is_held]
-
-    def _prefilling(self):
-        return [r for r in self._held() if self._rec(r).kv_committed_len < len(self.tokens[r])]
-
-    def _decoding(self):
-        return [r for r in self._held() if self._rec(r).kv_committed_len == len(self.tokens[r])]
-
-    def _not_done(self):
-        return [
-            r
-            for r in self.tokens
-            if self._rec(r) is None
-            or not self._rec(r).is_held
-            or self._rec(r).kv_committed_len < len(self.tokens[r])
-        ]
-
     def _add(self, toks, match=True, session="") -> int | None:
         toks = np.asarray(toks if len(toks) else [7], dtype=np.int64)
         if len(toks) > self.capacity - 1:
