@@ -22,22 +22,7 @@ import time
 
 import anyio
 
-
-def load_config(config_path: str | None, pairs: list[str] | None, **extra):
-    """The config of a command: file, environment, `--set` pairs, then `extra`
-    ("section.key"); exits with the message naming the bad key (before anything starts)."""
-    import os
-
-    from actors.app.config import ConfigError, EngineConfig, env_overrides, parse_overrides
-
-    try:
-        overrides = env_overrides(os.environ)
-        overrides.update(parse_overrides(pairs))
-        overrides.update(extra)
-        return EngineConfig.load(config_path, overrides)
-    except ConfigError as exc:
-        raise SystemExit(f"bin/engine: {exc}") from None
-
+from actors.app.config import load_config
 
 # flag, config key, type, help: the vLLM flags that mean the same thing here
 SERVE_FLAGS = [

@@ -12,6 +12,7 @@ decoding, so they get exactly the same checks.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -244,6 +245,19 @@ def parse_overrides(pairs: Iterable[str] | None) -> dict[str, Any]:
             raise ConfigError(f"--set expects section.key=value, got {pair!r}")
         out[key.strip()] = _scalar(raw)
     return out
+
+
+def load_config(config_path: str | None, pairs: list[str] | None, **extra: Any) -> EngineConfig:
+    """The config of a command (`bin/engine` and its benches): the file, then the
+    environment, then `--set` pairs, then `extra` ("section.key"); exits with the message
+    naming the bad key (before anything starts)."""
+    try:
+        overrides = env_overrides(os.environ)
+        overrides.update(parse_overrides(pairs))
+        overrides.update(extra)
+        return EngineConfig.load(config_path, overrides)
+    except ConfigError as exc:
+        raise SystemExit(f"bin/engine: {exc}") from None
 
 
 def _apply_override(data: dict[str, Any], key: str, value: Any) -> None:

@@ -18,7 +18,7 @@ import time
 
 import anyio
 
-from actors.app.cli import load_config
+from actors.app.config import load_config
 from actors.app.corpus import natural_text
 from actors.app.serving import ServingEngine
 from transport.messages.params import GenerationParams

@@ -24,7 +24,7 @@ import time
 
 import anyio
 
-from actors.app.cli import load_config
+from actors.app.config import load_config
 from actors.app.serving import ServingEngine
 from actors.app.specs import serving_specs
 from actors.bench.timing import Timings

@@ -123,7 +123,7 @@ def test_environment_override_applies_without_a_set():
         [
             sys.executable,
             "-c",
-            "from actors.app.cli import load_config;print(load_config(None, []).kv.num_pages)",
+            "from actors.app.config import load_config;print(load_config(None, []).kv.num_pages)",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -160,7 +160,8 @@ def test_gguf_file_is_served_under_its_path_and_stem():
         [
             sys.executable,
             "-c",
-            "from actors.app.cli import load_config, serve_overrides, main;"
+            "from actors.app.config import load_config;"
+            "from actors.app.cli import serve_overrides, main;"
             "from actors.app.model_info import served_names;"
             "import argparse, sys;"
             f"cfg = load_config(None, [], **{{'model.path': {str(path)!r}}});"
