@@ -138,7 +138,8 @@ class ModelRunnerActor(Actor):
         model = model.to(self.device)
         lm_head = None
         if self.quantization != "none":
-            from kernels.quant import activations_for, quantize_model
+            from kernels.models import quantize_model
+            from kernels.quant import activations_for
 
             activations, why = activations_for(self.quantization, config, self.dtype)
             self.log.info(

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.quant import QuantizedWeight
 from kernels.timing import timed_runs
 
 BACKENDS = ("aten", "onednn", "numpy", "fp16")
@@ -128,10 +129,8 @@ class LmHead:
             raise RuntimeError("the oneDNN lm_head backend is not available on this machine")
         if "numpy" in named and self._numpy_weight is None:
             raise ValueError("the numpy lm_head backend needs a float32 weight")
-        self._quantized = None  # kernels.quant.QuantizedWeight of an approximate backend
+        self._quantized: QuantizedWeight | None = None  # of an approximate backend
         if backend in APPROXIMATE_BACKENDS:
-            from kernels.quant import QuantizedWeight
-
             self._quantized = QuantizedWeight(
                 self.weight, backend, quantized_activations or self.weight.dtype
             )

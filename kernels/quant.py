@@ -288,17 +288,3 @@ def activations_for(kind: str, config, dtype: torch.dtype) -> tuple[torch.dtype 
     gate/up projection)."""
     timings = time_quantized_products(kind, config.hidden, 2 * config.intermediate, dtype)
     return choose_activations(kind, *timings, dtype)
-
-
-def quantize_model(model: nn.Module, config, activations: torch.dtype, kind: str = "int8"):
-    """Quantize `model`'s decoder linears in place to `kind`; returns its quantized LM head
-    (the executor's `lm_head`, over the tied embedding that keeps its full-precision table)."""
-    from kernels.lm_head import LmHead
-
-    quantize_linears(model.layers, kind, activations)
-    return LmHead(
-        model.lm_head_weight,
-        config.final_logit_softcap,
-        backend=kind,
-        quantized_activations=activations,
-    )

@@ -33,8 +33,8 @@ from actors.bench.timing import time_calls
 def build(mode: str, path: str | None, rows: int, capacity: int):
     from actors.bench.bare_executor import bare_executor
     from kernels.cpu import choose_dtype
-    from kernels.models import load_model
-    from kernels.quant import QUANTIZATIONS, activations_for, quantize_model
+    from kernels.models import load_model, quantize_model
+    from kernels.quant import QUANTIZATIONS, activations_for
 
     if mode in QUANTIZATIONS:
         dtype, _ = choose_dtype("auto")

@@ -1,4 +1,5 @@
-"""Model definitions by architecture, and `load_model` (any supported source -> module).
+"""Model definitions by architecture, `load_model` (any supported source -> module) and
+`quantize_model` (its linears and LM head in int8 / int4, `kernels.quant`).
 
 `load_model(None)` is the embedded Gemma 3 270M GGUF; a `.gguf` file, a folder holding one
 GGUF, or a Hugging Face folder (config.json + safetensors) also work. Modules are built on
@@ -13,8 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from kernels.config import ModelConfig
+from kernels.lm_head import LmHead
 from kernels.models.gemma3 import Gemma3ForCausalLM
 from kernels.models.llama import LlamaForCausalLM
+from kernels.quant import quantize_linears
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3": Gemma3ForCausalLM,
@@ -89,6 +92,20 @@ def load_model(
     return config, build_model(config, weights, dtype)
 
 
+def quantize_model(
+    model: nn.Module, config: ModelConfig, activations: torch.dtype, kind: str = "int8"
+) -> LmHead:
+    """Quantize `model`'s decoder linears in place to `kind`; returns its quantized LM head
+    (the executor's `lm_head`, over the tied embedding that keeps its full-precision table)."""
+    quantize_linears(model.layers, kind, activations)
+    return LmHead(
+        model.lm_head_weight,
+        config.final_logit_softcap,
+        backend=kind,
+        quantized_activations=activations,
+    )
+
+
 __all__ = [
     "MODEL_CLASSES",
     "Gemma3ForCausalLM",
@@ -96,5 +113,6 @@ __all__ = [
     "build_model",
     "load_config",
     "load_model",
+    "quantize_model",
     "resolve_model_source",
 ]

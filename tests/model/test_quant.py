@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.lm_head import LmHead
+from kernels.models import quantize_model
 from kernels.quant import (
     INT4_GROUP,
     QuantizedLinear,
@@ -16,7 +17,6 @@ from kernels.quant import (
     pack_int4,
     quantize_groups,
     quantize_linears,
-    quantize_model,
     quantize_rows,
     quantized_supported,
 )
