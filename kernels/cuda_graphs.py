@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from kernels.forward_context import ForwardContext
+
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GRAPH_BACKENDS = ("flashinfer",)  # backends that plan into fixed buffers (`plan_graph`)
 
@@ -125,8 +127,6 @@ class DecodeGraphs:
         return g.logits[:n]
 
     def _body(self, g: _Graph) -> Tensor:
-        from kernels.forward_batch import ForwardContext
-
         ex = self.executor
         rope = {t: cache.cos_sin(g.positions, ex.dtype) for t, cache in ex.rotary.items()}
         ctx = ForwardContext(attention=ex.attention, kv_cache=ex.kv_cache, rope=rope)

@@ -16,14 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
-from torch import Tensor
-
-if TYPE_CHECKING:
-    from kernels.attention.base import AttentionBackend
-    from kernels.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -105,16 +99,3 @@ class ForwardBatch:
         if self.is_decode_only:
             return np.fromiter((ids[0] for ids in self.input_ids), np.int64, self.batch_size)
         return np.fromiter((t for ids in self.input_ids for t in ids), np.int64, self.num_tokens)
-
-
-@dataclass
-class ForwardContext:
-    """What a model's layers need during one forward besides the hidden states.
-
-    `rope` maps a layer type ("full_attention" / "sliding_attention") to the (cos, sin)
-    tables [T, 1, head_dim] for this batch's positions, computed once per forward.
-    """
-
-    attention: AttentionBackend
-    kv_cache: KVCache
-    rope: dict[str, tuple[Tensor, Tensor]]

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from kernels.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
 from kernels.config import ModelConfig
-from kernels.forward_batch import ForwardBatch, ForwardContext
+from kernels.forward_batch import ForwardBatch
+from kernels.forward_context import ForwardContext
 from kernels.kv_cache import KVCache, ReqToTokenTable
 from kernels.layers import RotaryCache
 from kernels.lm_head import LmHead

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels.config import ModelConfig
-from kernels.forward_batch import ForwardContext
+from kernels.forward_context import ForwardContext
 from kernels.layers import GatedMLP, GemmaRMSNorm, apply_rotary
 
 

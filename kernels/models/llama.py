@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from kernels.config import ModelConfig
-from kernels.forward_batch import ForwardContext
+from kernels.forward_context import ForwardContext
 from kernels.layers import GatedMLP, RMSNorm, apply_rotary
 
 
