@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import anyio
 from structlog.typing import FilteringBoundLogger
 
-from actors.runtime.refs import ActorRef
+from actors.runtime.refs import ActorRef, RefBook
 from transport.channel import Envelope
 from transport.codec import Codec, flatten_message_types
 from transport.messages.base import Message
 from transport.messages.control import RuntimeControl
 
-if TYPE_CHECKING:
-    from actors.runtime.cell import ActorCell
+
+class ActorServices(Protocol):
+    """What an actor asks of the runtime that runs it: refs to its peers, tasks beside its
+    mailbox, its logger. `actors.runtime.cell.ActorCell` provides them and binds itself as
+    the actor's ``_cell``."""
+
+    refs: RefBook
+    log: FilteringBoundLogger
+
+    def spawn(self, function: Callable[..., Awaitable[Any]], *args: Any) -> None: ...
 
 
 class DeferredReply:
@@ -44,7 +52,7 @@ class Actor:
     # StatsRequest are always accepted in addition (the runtime answers them).
     inbox: ClassVar[Any] = ()
 
-    _cell: ActorCell | None = None
+    _cell: ActorServices | None = None
 
     async def on_start(self) -> None:
         """Called once before the first message. Raising here crashes the actor."""
@@ -105,7 +113,7 @@ class Actor:
     def log(self) -> FilteringBoundLogger:
         return self._bound_cell().log
 
-    def _bound_cell(self) -> ActorCell:
+    def _bound_cell(self) -> ActorServices:
         cell = self._cell
         if cell is None:
             raise RuntimeError(f"actor {type(self).__name__} is not running in a runtime")
