@@ -163,7 +163,7 @@ class ReqToTokenTable:
         if (rows_np < 0).any() or (rows_np >= self.num_rows).any():
             raise ValueError("slot delta names a row outside the table")
         if self.device.type == "cuda":  # one kernel launch, checked above on the host
-            from kernels.triton_ops import apply_slot_deltas
+            from kernels.triton_ops.kv import apply_slot_deltas
 
             def dev(a: np.ndarray) -> Tensor:
                 return torch.from_numpy(a).to(self.device, non_blocking=True)

@@ -24,13 +24,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kernels import triton_ops
 from kernels.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     register_attention_backend,
 )
 from kernels.kv_cache import KVCache
+from kernels.triton_ops.decode import decode_attention
+from kernels.triton_ops.extend import extend_attention, extend_block_m, extend_work_items
+from kernels.triton_ops.kv import store_kv
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,8 @@ class TritonAttentionBackend(AttentionBackend):
         extend = meta.extend_lens_host
         decode = np.flatnonzero(extend == 1)
         others = np.flatnonzero(extend > 1)
-        block_m = triton_ops.extend_block_m(shape.group_size, self.block_rows)
-        item_reqs, item_starts = triton_ops.extend_work_items(others, extend, block_m)
+        block_m = extend_block_m(shape.group_size, self.block_rows)
+        item_reqs, item_starts = extend_work_items(others, extend, block_m)
 
         if self.use_pages:
             paged = meta.paged_kv
@@ -166,7 +168,7 @@ class TritonAttentionBackend(AttentionBackend):
             if out_slots is None:
                 out_slots = kv_cache.sliding_slots(meta.out_slots)
         k_all, v_all = kv_cache.layer_kv(layer_id)
-        triton_ops.store_kv(k_all, v_all, out_slots, k, v)
+        store_kv(k_all, v_all, out_slots, k, v)
 
         keys = plan.sliding if is_sliding else plan.full
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -178,7 +180,7 @@ class TritonAttentionBackend(AttentionBackend):
             block_n=self.block_n,
         )
         if plan.decode_reqs.numel():
-            triton_ops.decode_attention(
+            decode_attention(
                 q,
                 k_all,
                 v_all,
@@ -192,7 +194,7 @@ class TritonAttentionBackend(AttentionBackend):
                 **common,
             )
         if plan.item_reqs.numel():
-            triton_ops.extend_attention(
+            extend_attention(
                 q,
                 k_all,
                 v_all,

@@ -31,12 +31,13 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from kernels import triton_ops  # noqa: E402
 from kernels.attention.base import AttentionMetadata, AttentionShape  # noqa: E402
 from kernels.attention.torch_ref import TorchRefBackend  # noqa: E402
 from kernels.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kernels.forward_batch import ForwardBatch  # noqa: E402
 from kernels.kv_cache import KVCache, ReqToTokenTable  # noqa: E402
+from kernels.triton_ops.decode import decode_attention  # noqa: E402
+from kernels.triton_ops.kv import apply_slot_deltas, paged_kv_indices, store_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WINDOW = 8
@@ -74,13 +75,14 @@ def test_kernels_run_interpreted():
         pytest.skip("compiled on CUDA")
     from triton.runtime.interpreter import InterpretedFunction
 
+    from kernels.triton_ops.decode import _decode_kernel
+    from kernels.triton_ops.kv import _store_kv_kernel
+
     k_cache, v_cache = torch.zeros(4, 1, 16), torch.zeros(4, 1, 16)
-    triton_ops.store_kv(
-        k_cache, v_cache, torch.tensor([2]), torch.ones(1, 1, 16), torch.ones(1, 1, 16)
-    )
+    store_kv(k_cache, v_cache, torch.tensor([2]), torch.ones(1, 1, 16), torch.ones(1, 1, 16))
     assert torch.equal(k_cache[2], torch.ones(1, 16)) and torch.equal(v_cache[2], torch.ones(1, 16))
-    assert isinstance(triton_ops._store_kv_kernel.jitted(), InterpretedFunction)
-    assert isinstance(triton_ops._decode_kernel.jitted(), InterpretedFunction)
+    assert isinstance(_store_kv_kernel.jitted(), InterpretedFunction)
+    assert isinstance(_decode_kernel.jitted(), InterpretedFunction)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +99,7 @@ def test_store_kv_matches_cache_write(dtype):
     k = torch.randn(tokens, 2 * heads, dim, device=DEVICE)[:, ::2]
     v = torch.randn(tokens, heads, dim, device=DEVICE)
     ref.write(0, slots, k, v)
-    triton_ops.store_kv(*ours.layer_kv(0), slots, k, v)
+    store_kv(*ours.layer_kv(0), slots, k, v)
     for want, got in zip(ref.layer_kv(0), ours.layer_kv(0)):
         assert got.dtype == dtype
         assert torch.equal(got, want)
@@ -117,14 +119,12 @@ def test_apply_slot_deltas_matches_table():
     ]:
         flat = rng.integers(16, 10_000, size=sum(lengths))
         ref.apply_slot_deltas(rows, starts, lengths, flat)
-        triton_ops.apply_slot_deltas(
+        apply_slot_deltas(
             ours.table, dev(rows), dev(starts, torch.int32), dev(lengths), dev(flat), validate=True
         )
         assert torch.equal(ours.table, ref.table)
     with pytest.raises(ValueError, match="total length"):
-        triton_ops.apply_slot_deltas(
-            ours.table, dev([1]), dev([0]), dev([3]), dev([1, 2]), validate=True
-        )
+        apply_slot_deltas(ours.table, dev([1]), dev([0]), dev([3]), dev([1, 2]), validate=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,13 +227,13 @@ def test_paged_kv_indices_match_metadata(page):
     meta = sc.meta
     rows = torch.arange(meta.batch_size, dtype=torch.int64, device=DEVICE)
     want = meta.paged_kv
-    indptr, indices, last = triton_ops.paged_kv_indices(sc.table.table, rows, meta.seq_lens, page)
+    indptr, indices, last = paged_kv_indices(sc.table.table, rows, meta.seq_lens, page)
     assert torch.equal(indptr, want.kv_page_indptr)
     assert torch.equal(indices, want.kv_page_indices)
     assert torch.equal(last, want.kv_last_page_len)
     assert indptr.dtype == indices.dtype == last.dtype == torch.int32
     swa_map = sc.caches[1].swa_map
-    _, mapped, _ = triton_ops.paged_kv_indices(
+    _, mapped, _ = paged_kv_indices(
         sc.table.table, rows, meta.seq_lens, page, page_map=swa_map, num_pages=int(indptr[-1])
     )
     assert torch.equal(mapped, swa_map[want.kv_page_indices.long()].int())
@@ -285,7 +285,7 @@ def test_decode_kv_splits_agree():
     outs = []
     for splits in (1, 8):
         out = torch.zeros_like(q)
-        triton_ops.decode_attention(
+        decode_attention(
             q, k_all, v_all, out, reqs, rows, sc.meta.seq_lens, sc.meta.kv_indptr,
             sc.meta.kv_indices, scale=sc.shape.scale, softcap=5.0, num_kv_splits=splits,
             block_n=16,
