@@ -1,0 +1,326 @@
+"""One generation request of the gateway, answered as one JSON body or as an SSE stream.
+
+`GenerationResponder.run` runs one `EngineClient.generate` per choice, each in its own task
+feeding a single event stream, plus a task watching `receive()` for `http.disconnect`.
+Nothing is sent before every choice is accepted, so a refusal is a plain HTTP error. A
+stream that started always ends with an error event or its last chunk, then `[DONE]`; while
+a request waits or prefills, a comment line every `keepalive_s` keeps proxies from timing
+out. Invariant: when the client leaves, the task group is cancelled, which closes every
+choice's generator, which sends `AbortGeneration`; its KV goes back to the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from actors.frontends.base import EngineClient, GenerationError
+from actors.frontends.http.asgi import Receive, Scope, Send, send_response
+from actors.frontends.http.errors import (
+    SERVER_ERROR,
+    UNAVAILABLE,
+    ApiError,
+    ErrorBody,
+    from_generation_error,
+)
+from actors.frontends.http.generation import ChoiceState, Job, Renderer, usage_of
+from actors.frontends.http.metrics import GatewayMetrics
+from actors.frontends.http.sse import DONE_EVENT, SSE_HEADERS, sse_event
+from actors.runtime.logging import get_logger
+from transport.channel import ChannelClosed
+from transport.messages.engine import OutputChunk
+
+SSE_KEEPALIVE_S = 5.0  # a streamed response with no event this long gets a comment line
+KEEPALIVE_EVENT = b": keep-alive\n\n"
+
+_log = get_logger("gateway")
+_json = msgspec.json.Encoder()
+
+_ACCEPTED, _CHUNK, _ERROR = 0, 1, 2
+
+
+@dataclass(slots=True)
+class _Event:
+    index: int
+    kind: int
+    chunk: OutputChunk | None = None
+    error: ApiError | None = None
+
+
+@dataclass(slots=True)
+class _Outcome:
+    completed: bool = False  # the last byte of the response is being sent
+    succeeded: bool = False  # ... and every choice finished
+    disconnected: bool = False  # the client left before `completed`
+    error: ApiError | None = None  # refused before the response started
+
+
+def _post(tx: MemoryObjectSendStream[_Event], event: _Event) -> None:
+    # The reader may be gone (the request ended early); its events are no longer needed.
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+        tx.send_nowait(event)
+
+
+class GenerationResponder:
+    """Answers generation requests for the app: `await responder.run(...)` per request."""
+
+    def __init__(
+        self, client: EngineClient, metrics: GatewayMetrics, keepalive_s: float = SSE_KEEPALIVE_S
+    ) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.keepalive_s = keepalive_s
+
+    async def run(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        jobs: list[Job],
+        renderer: Renderer,
+        stream: bool,
+        include_usage: bool,
+    ) -> None:
+        started = time.perf_counter()
+        states = [ChoiceState() for _ in jobs]
+        for job, state in zip(jobs, states):
+            if job.echo:
+                state.prompt_text = await self._prompt_text(job)
+        outcome = _Outcome()
+        tx, rx = anyio.create_memory_object_stream[_Event](math.inf)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
+            async with tx:
+                for job in jobs:
+                    tg.start_soon(self._pump, job, scope.get("kvactor.api_key", ""), tx.clone())
+            early: list[_Event] = []
+            accepted = 0
+            # Nothing is sent before every choice is accepted: a refusal is a plain 400.
+            while accepted < len(jobs) and outcome.error is None:
+                event = await _next_event(rx)
+                if event.kind == _ACCEPTED:
+                    accepted += 1
+                elif event.kind == _ERROR:
+                    outcome.error = event.error
+                else:
+                    early.append(event)
+            if outcome.error is None:
+                if stream:
+                    await self._stream(
+                        send, rx, early, jobs, states, renderer, include_usage, started, outcome
+                    )
+                else:
+                    await self._respond(send, rx, early, jobs, states, renderer, started, outcome)
+            tg.cancel_scope.cancel()
+        if outcome.disconnected:
+            self.metrics.count_aborted()
+        elif outcome.error is not None:
+            raise outcome.error
+        elif outcome.succeeded:
+            self.metrics.count_success(time.perf_counter() - started)
+
+    async def _prompt_text(self, job: Job) -> str:
+        if "prompt" in job.prompt:
+            return job.prompt["prompt"]
+        try:
+            return await self.client.detokenize(list(job.prompt["prompt_ids"]))
+        except GenerationError as exc:
+            raise from_generation_error(exc) from None
+
+    async def _pump(self, job: Job, api_key: str, tx: MemoryObjectSendStream[_Event]) -> None:
+        """Run one choice; every outcome is an event (never an exception in the group)."""
+        async with tx:
+            try:
+                session = {"session_key": api_key} if job.prompt.get("session_id") else {}
+                gen = self.client.generate(
+                    job.params,
+                    **job.prompt,
+                    **session,
+                    on_accepted=lambda _: _post(tx, _Event(job.index, _ACCEPTED)),
+                )
+                async with contextlib.aclosing(gen):
+                    async for chunk in gen:
+                        _post(tx, _Event(job.index, _CHUNK, chunk=chunk))
+            except GenerationError as exc:
+                _post(tx, _Event(job.index, _ERROR, error=_named_error(exc, job)))
+            except (TimeoutError, ChannelClosed) as exc:
+                error = ApiError(
+                    503, f"engine unavailable: {type(exc).__name__}: {exc}", type=UNAVAILABLE
+                )
+                _post(tx, _Event(job.index, _ERROR, error=error))
+            except Exception as exc:
+                error = ApiError(
+                    500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER_ERROR
+                )
+                _post(tx, _Event(job.index, _ERROR, error=error))
+
+    def _record(self, event: _Event, states: list[ChoiceState], started: float) -> int:
+        """Fold a chunk into its choice's state and metrics; returns its text offset."""
+        chunk = event.chunk
+        assert chunk is not None
+        state = states[event.index]
+        if chunk.token_ids:
+            now = time.perf_counter()
+            if state.first_token_at is None:
+                self.metrics.ttft.observe(now - started)
+                state.first_token_at = now
+            else:
+                self.metrics.itl.observe(now - (state.last_token_at or now))
+            state.last_token_at = now
+        offset = state.add(chunk)
+        if chunk.finish_reason is not None:
+            self.metrics.count_finished(
+                chunk.finish_reason,
+                chunk.prompt_tokens,
+                chunk.completion_tokens,
+                chunk.cached_tokens,
+                state.queue_time_s,
+            )
+        return offset
+
+    async def _respond(
+        self,
+        send: Send,
+        rx: MemoryObjectReceiveStream[_Event],
+        early: list[_Event],
+        jobs: list[Job],
+        states: list[ChoiceState],
+        renderer: Renderer,
+        started: float,
+        outcome: _Outcome,
+    ) -> None:
+        remaining = len(jobs)
+        queue = list(early)
+        while remaining:
+            event = queue.pop(0) if queue else await _next_event(rx)
+            if event.kind == _ERROR:
+                outcome.error = event.error
+                return
+            if event.kind == _CHUNK:
+                self._record(event, states, started)
+                remaining -= event.chunk.finish_reason is not None
+        body = _json.encode(renderer.final(states, usage_of(jobs, states)))
+        outcome.completed = outcome.succeeded = True
+        await send_response(send, 200, body)
+
+    async def _stream(
+        self,
+        send: Send,
+        rx: MemoryObjectReceiveStream[_Event],
+        early: list[_Event],
+        jobs: list[Job],
+        states: list[ChoiceState],
+        renderer: Renderer,
+        include_usage: bool,
+        started: float,
+        outcome: _Outcome,
+    ) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        out: list[bytes] = []
+        remaining = len(jobs)
+        try:
+            out += [sse_event(o) for job in jobs if (o := renderer.opening(job.index)) is not None]
+            remaining = await self._stream_events(
+                send, rx, early, jobs, states, renderer, started, out
+            )
+            if include_usage and not remaining:
+                out.append(sse_event(renderer.usage_event(usage_of(jobs, states))))
+        except Exception as exc:
+            # Invariant: a stream that started always ends with an error event or its last
+            # chunk, then [DONE]; a failure here (a rendering bug) must not cut it silently.
+            _log.error("stream failed after its response started", exc_info=exc)
+            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER_ERROR)
+            out.append(sse_event(ErrorBody(error=error.detail)))
+            self.metrics.count_error(error.status)
+        out.append(DONE_EVENT)
+        outcome.completed = True
+        outcome.succeeded = not remaining
+        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+
+    async def _stream_events(
+        self,
+        send: Send,
+        rx: MemoryObjectReceiveStream[_Event],
+        early: list[_Event],
+        jobs: list[Job],
+        states: list[ChoiceState],
+        renderer: Renderer,
+        started: float,
+        out: list[bytes],
+    ) -> int:
+        """Stream chunks until every choice finished or one failed; how many did not finish.
+        Events not yet sent are left in `out`."""
+        remaining = len(jobs)
+        queue = list(early)
+        while remaining:
+            # Write every event already queued in one send (one syscall per batch of chunks).
+            if not queue:
+                if out:
+                    await send(
+                        {"type": "http.response.body", "body": b"".join(out), "more_body": True}
+                    )
+                    out.clear()
+                # While a request waits or prefills, a comment keeps proxies from timing out.
+                with anyio.move_on_after(self.keepalive_s) as waited:
+                    queue.append(await _next_event(rx))
+                if waited.cancelled_caught:
+                    await send(
+                        {"type": "http.response.body", "body": KEEPALIVE_EVENT, "more_body": True}
+                    )
+                    continue
+                while True:
+                    try:
+                        queue.append(rx.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+            event = queue.pop(0)
+            if event.kind == _ERROR:
+                assert event.error is not None
+                out.append(sse_event(ErrorBody(error=event.error.detail)))
+                self.metrics.count_error(event.error.status)
+                break
+            if event.kind != _CHUNK:
+                continue
+            assert event.chunk is not None
+            offset = self._record(event, states, started)
+            delta = renderer.delta(event.index, event.chunk, offset, states[event.index])
+            if delta is not None:
+                out.append(sse_event(delta))
+            remaining -= event.chunk.finish_reason is not None
+        return remaining
+
+
+async def _next_event(rx: MemoryObjectReceiveStream[_Event]) -> _Event:
+    try:
+        return await rx.receive()
+    except anyio.EndOfStream:
+        # Every choice's task ended without finishing: the engine went away.
+        error = ApiError(503, "the engine ended the request without finishing it", type=UNAVAILABLE)
+        return _Event(-1, _ERROR, error=error)
+
+
+async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope, outcome: _Outcome) -> None:
+    """Cancel the request's task group when the client disconnects mid-request."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not outcome.completed:
+                outcome.disconnected = True
+                scope.cancel()
+            return
+
+
+def _named_error(exc: GenerationError, job: Job) -> ApiError:
+    """The engine's error, naming the request's own field where the engine named its
+    generic one (`constraint` is `response_format`, `structured_outputs`, `tools`, ...)."""
+    error = from_generation_error(exc)
+    if job.constraint_param and exc.message.startswith("constraint:"):
+        text = job.constraint_param + exc.message.removeprefix("constraint")
+        return ApiError(error.status, text, param=job.constraint_param)
+    return error
