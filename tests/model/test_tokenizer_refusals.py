@@ -69,7 +69,9 @@ def test_every_template_failure_is_a_bad_request(name):
 
 def test_a_slow_template_is_cut_off_and_pings_are_answered_meanwhile():
     async def go():
-        async with await _tokenizer(SLOW_TEMPLATE, template_timeout_s=0.3) as system:
+        # The limit leaves the pings room: the render thread holds the GIL between its ticks,
+        # so on a loaded machine a round trip on the event loop can take tens of ms.
+        async with await _tokenizer(SLOW_TEMPLATE, template_timeout_s=2.0) as system:
             tok = system.ref("tokenizer")
             pongs: list[Pong] = []
 
@@ -82,7 +84,7 @@ def test_a_slow_template_is_cut_off_and_pings_are_answered_meanwhile():
                 tg.start_soon(ping_while_rendering)
                 with pytest.raises(RemoteError) as err:
                     await tok.call(_chat(), expect=TokenizeReply, timeout=30)
-            assert "did not render within 0.3 s" in err.value.reply.message
+            assert "did not render within 2 s" in err.value.reply.message
             assert len(pongs) == 3 and all(p.busy_s > 0 for p in pongs)  # busy, not down
 
     anyio.run(go)
