@@ -125,6 +125,12 @@ class ModelRunnerActor(Actor):
 
     async def on_stop(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        # The weights and the KV pool go now, not at the next full garbage collection: the
+        # actor and its cell reference each other, so without this a stopped runner's
+        # gigabytes stay until gc runs (a restarted runner loads beside them; engines made
+        # one after another in a process pile up).
+        self.executor = None
+        self.sampler = None
 
     def _load(self) -> None:
         from kernels.attention import make_attention_backend

@@ -24,3 +24,37 @@ def test_generate_offline_returns_results_in_prompt_order():
     assert results[2].prompt_tokens == 3 and len(results[2].token_ids) == 3
     for r in results:
         assert 0 < r.ttft_s <= r.total_s
+
+
+@pytest.mark.model
+def test_engines_run_one_after_another_do_not_pile_up_their_weights(monkeypatch):
+    """A stopped runner lets go of its weights and KV pool at once: the actor and its cell
+    reference each other, so otherwise each engine's model stays until a full collection
+    (which large tensors never trigger) and a process making engines in turn grows by a
+    model each time."""
+    import gc
+    import weakref
+
+    import kernels.models
+
+    models: list[weakref.ref] = []
+    load = kernels.models.load_model
+
+    def recording_load(*args, **kwargs):
+        config, model = load(*args, **kwargs)
+        models.append(weakref.ref(model))
+        return config, model
+
+    monkeypatch.setattr(kernels.models, "load_model", recording_load)
+    params = GenerationParams(max_tokens=2, temperature=0.0)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            results = generate_offline(["1, 2, 3,"], params, config=small_config())
+            assert len(results[0].token_ids) == 2
+        alive = [ref() is not None for ref in models]
+    finally:
+        gc.enable()
+    assert len(models) == 3
+    assert sum(alive) <= 1, f"models still held after their engines stopped: {alive}"
