@@ -21,6 +21,7 @@ calls, so the script is known to work before a GPU is lent.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -226,6 +227,10 @@ def run(args) -> dict:
             return await eng.generate_batch(prompts, greedy)
 
     results = anyio.run(ours_parity)
+    # Each phase loads its own model: a collection after each lets the last one go before
+    # the next loads (cycles in a stopped engine otherwise hold its weights; on a CPU dry
+    # run five of them once reached 11 GB).
+    gc.collect()
     per_prompt = []
     for prompt, result in zip(prompts, results):
         theirs, scores = hf_greedy(hf, prompt, args.parity_tokens, device)
@@ -244,6 +249,7 @@ def run(args) -> dict:
         # Warm-up prompts of the same shape, other tokens: decode graphs are captured there.
         warm = same_length_prompts(tokenizer, batch, args.prompt_tokens, offset=3 * batch + 7)
         ours = anyio.run(run_kvactor, cfg, group, args.new_tokens, warm)
+        gc.collect()
         theirs = hf_throughput(hf, group, args.new_tokens, device)
         throughput[str(batch)] = {
             "kvactor_tok_s": round(ours["output_tok_s"], 1),
@@ -252,10 +258,13 @@ def run(args) -> dict:
         }
     report["throughput"] = throughput
     del hf
+    gc.collect()
     group = same_length_prompts(tokenizer, max_batch, args.prompt_tokens)
     warm = same_length_prompts(tokenizer, max_batch, args.prompt_tokens, offset=3 * max_batch + 7)
     engine = anyio.run(run_kvactor, cfg, group, args.new_tokens, warm)["output_tok_s"]
+    gc.collect()
     bare = run_bare(cfg, group, args.new_tokens)["output_tok_s"]
+    gc.collect()
     report["engine_vs_bare"] = {
         "batch": max_batch,
         "engine_tok_s": round(engine, 1),
