@@ -102,9 +102,14 @@ def choose_dtype(requested: str, device: str = "cpu") -> tuple[torch.dtype, str]
 
 
 def choose_threads(requested: int, own_process: bool) -> tuple[int, str]:
-    """torch threads for the runner: `requested` when > 0, else from the cores available."""
+    """torch threads for the runner: `requested` when > 0, else OMP_NUM_THREADS where it is
+    set (the usual way to give a process its share of a shared machine), else every core
+    the process may run on."""
     if requested > 0:
         return requested, "set in the config"
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp), f"auto: OMP_NUM_THREADS={omp}"
     cores = cpu_features().cores
     where = "its own process" if own_process else "the control plane's process"
     return cores, f"auto: every core ({cores}), the runner in {where}"

@@ -52,6 +52,7 @@ def test_explicit_dtypes_and_a_bf16_this_cpu_cannot_run(monkeypatch):
 
 
 def test_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpu, "cpu_features", lambda: AVX512_BF16)
     assert choose_threads(3, own_process=False)[0] == 3
     assert choose_threads(0, own_process=True)[0] == 8
@@ -60,6 +61,16 @@ def test_threads(monkeypatch):
         cpu, "cpu_features", lambda: CpuFeatures("AVX2", frozenset(), False, False, 1)
     )
     assert choose_threads(0, own_process=False)[0] == 1
+
+
+def test_auto_threads_follow_omp_num_threads(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_features", lambda: AVX512_BF16)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert choose_threads(0, own_process=True) == (3, "auto: OMP_NUM_THREADS=3")
+    assert choose_threads(5, own_process=True)[0] == 5  # the config wins
+    for unusable in ("0", "", "two"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unusable)
+        assert choose_threads(0, own_process=True)[0] == 8
 
 
 def test_this_machine_is_described():
