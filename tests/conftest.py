@@ -3,6 +3,8 @@ the unit tier must collect without them (tests/unit/test_tiers.py checks)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvcore.req_kv_info import enable_write_guard
@@ -10,6 +12,14 @@ from kvcore.req_kv_info import enable_write_guard
 # Every test runs with the record write guard on: a ReqKvInfo written outside the ledger's
 # own context raises (tests that plant a broken record use `ledger_writes()`).
 enable_write_guard()
+
+# Under pytest-xdist (bin/test picks the workers) each worker's torch gets its share of the
+# cores: more compute threads than cores stall on OpenMP's barriers (a 3 s test took 35 s).
+# Set before any test imports torch; the servers the tests start inherit it, and their
+# `model.threads = 0` (auto) follows it.
+if _workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    _share = max(1, len(os.sched_getaffinity(0)) // _workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 
 @pytest.fixture(scope="session")
