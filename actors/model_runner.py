@@ -17,6 +17,7 @@ that step's requests; the runner serves on.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -125,12 +126,14 @@ class ModelRunnerActor(Actor):
 
     async def on_stop(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
-        # The weights and the KV pool go now, not at the next full garbage collection: the
-        # actor and its cell reference each other, so without this a stopped runner's
-        # gigabytes stay until gc runs (a restarted runner loads beside them; engines made
-        # one after another in a process pile up).
+        # The weights and the KV pool go now, not at the next full garbage collection (which
+        # large tensors never trigger): the actor and its cell reference each other, and so
+        # does the LM head with its chosen kernels, so without this a stopped runner's
+        # gigabytes stay (a restarted runner loads beside them; engines made one after
+        # another in a process pile up).
         self.executor = None
         self.sampler = None
+        gc.collect()
 
     def _load(self) -> None:
         from kernels.attention import make_attention_backend

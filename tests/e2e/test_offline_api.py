@@ -29,13 +29,14 @@ def test_generate_offline_returns_results_in_prompt_order():
 @pytest.mark.model
 def test_engines_run_one_after_another_do_not_pile_up_their_weights(monkeypatch):
     """A stopped runner lets go of its weights and KV pool at once: the actor and its cell
-    reference each other, so otherwise each engine's model stays until a full collection
-    (which large tensors never trigger) and a process making engines in turn grows by a
-    model each time."""
+    reference each other (as does the LM head with its kernels), so otherwise each engine's
+    model and LM head stay until a full collection (which large tensors never trigger) and
+    a process making engines in turn grows by a model each time."""
     import gc
     import weakref
 
     import kernels.models
+    from kernels.lm_head import LmHead
 
     models: list[weakref.ref] = []
     load = kernels.models.load_model
@@ -54,7 +55,9 @@ def test_engines_run_one_after_another_do_not_pile_up_their_weights(monkeypatch)
             results = generate_offline(["1, 2, 3,"], params, config=small_config())
             assert len(results[0].token_ids) == 2
         alive = [ref() is not None for ref in models]
+        heads = sum(type(o) is LmHead for o in gc.get_objects())
     finally:
         gc.enable()
     assert len(models) == 3
     assert sum(alive) <= 1, f"models still held after their engines stopped: {alive}"
+    assert heads <= 1, f"{heads} LM heads (each holding the vocabulary table) still held"
