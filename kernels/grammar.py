@@ -1,10 +1,11 @@
 """Constrained decoding through xgrammar: compile a constraint once, track one matcher per
 request, mask the logits rows of the requests that have one.
 
-Why xgrammar (measured with `bin/engine bench grammar --llguidance` on Gemma 3's 262k
-vocabulary): its tokenizer preparation is about half llguidance's, a schema compiles in
-tens of milliseconds, and its structural tags express tool calls ("free text, and a
-JSON-schema-checked call after each trigger"). Its CPU `apply_token_bitmask_inplace` kernel
+Why xgrammar (`bin/engine bench grammar --llguidance` compares the two on the served
+vocabulary; figures in docs/benchmarks.md): its tokenizer preparation, paid once per
+process, is faster than llguidance's, though llguidance compiles a schema faster, and its
+structural tags express tool calls ("free text, and a JSON-schema-checked call after each
+trigger"). Its CPU `apply_token_bitmask_inplace` kernel
 writes the refused tokens one at a time, which is fast inside a JSON string (few refused)
 and slow between fields (all but a handful refused); `apply_token_bitmask` uses it for the
 first kind of row only and saves-fills-restores the second.
