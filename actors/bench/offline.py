@@ -43,16 +43,23 @@ async def run_kvactor(
     """`warmup`: prompts run first, untimed, a few tokens each (give ones of the batch's
     shape but other tokens: the engine's decode graphs for that size are captured then,
     and the timed prompts get no prefix-cache hits from them)."""
-    params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     async with ServingEngine(cfg) as eng:
-        await eng.generate_batch(
-            warmup or [batch[0][:8]], GenerationParams(max_tokens=3, temperature=0)
-        )
-        before = await eng.scheduler_stats()
-        t = time.perf_counter()
-        results = await eng.generate_batch(batch, params)
-        wall = time.perf_counter() - t
-        after = await eng.scheduler_stats()
+        return await timed_batch(eng, batch, new_tokens, warmup)
+
+
+async def timed_batch(
+    eng: ServingEngine, batch: list[list[int]], new_tokens: int, warmup: list[list[int]] | None
+) -> dict:
+    """`run_kvactor` on an engine that is already running (one engine, many batches)."""
+    params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    await eng.generate_batch(
+        warmup or [batch[0][:8]], GenerationParams(max_tokens=3, temperature=0)
+    )
+    before = await eng.scheduler_stats()
+    t = time.perf_counter()
+    results = await eng.generate_batch(batch, params)
+    wall = time.perf_counter() - t
+    after = await eng.scheduler_stats()
     out = sum(len(r.token_ids) for r in results)
     busy = after.runner_busy_s - before.runner_busy_s
     steps = after.steps - before.steps
