@@ -17,6 +17,9 @@ the padding page, never a sliding page someone else owns now.
 
 `ReqToTokenTable` is the runner's copy of the allocator's rows: row r, position p -> slot.
 The allocator owns the truth; the runner only applies the deltas that ride with each batch.
+
+Both apply their host-side updates through a `HostStaging` each (one transfer per call, no
+wait for the device on a GPU).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from torch import Tensor
+
+from kernels.host_staging import HostStaging
 
 
 class KVCache:
@@ -74,6 +79,7 @@ class KVCache:
         self.swa_map = torch.zeros(
             self.num_pages + 1 if split else 1, dtype=torch.int64, device=self.device
         )
+        self.staging = HostStaging(self.device)
 
     @property
     def num_pages(self) -> int:
@@ -98,8 +104,12 @@ class KVCache:
             return
         if not self.split:
             raise ValueError("sliding page mappings for a KV cache without a sliding pool")
-        idx = torch.as_tensor(list(full_pages), dtype=torch.int64, device=self.device)
-        self.swa_map[idx] = torch.as_tensor(list(swa_pages), dtype=torch.int64, device=self.device)
+        full = np.asarray(full_pages, dtype=np.int64)
+        swa = np.asarray(swa_pages, dtype=np.int64)
+        if full.shape != swa.shape:
+            raise ValueError(f"{full.size} full pages mapped to {swa.size} sliding pages")
+        idx, values = self.staging.to_device([full, swa])
+        self.swa_map[idx] = values
 
     def sliding_slots(self, slots: Tensor) -> Tensor:
         """The sliding pool's slot of each (full) slot; identity when the pools are one."""
@@ -137,6 +147,7 @@ class ReqToTokenTable:
         self.row_capacity = row_capacity
         self.device = torch.device(device)
         self.table = torch.zeros((num_rows, row_capacity), dtype=torch.int32, device=self.device)
+        self.staging = HostStaging(self.device)
 
     def apply_slot_deltas(
         self,
@@ -153,9 +164,13 @@ class ReqToTokenTable:
         starts_np = np.asarray(starts, dtype=np.int64)
         lengths_np = np.asarray(lengths, dtype=np.int64)
         total = int(lengths_np.sum()) if lengths_np.size else 0
-        slots = torch.as_tensor(flat_slots, dtype=torch.int32).reshape(-1)
-        if slots.numel() != total:
-            raise ValueError(f"{slots.numel()} slots for runs of total length {total}")
+        on_device = isinstance(flat_slots, Tensor) and flat_slots.device.type != "cpu"
+        if on_device:
+            slots = flat_slots.reshape(-1)
+        else:
+            slots = np.asarray(flat_slots, dtype=np.int32).reshape(-1)
+        if slots.shape[0] != total:
+            raise ValueError(f"{slots.shape[0]} slots for runs of total length {total}")
         if total == 0:
             return
         if (starts_np < 0).any() or (starts_np + lengths_np > self.row_capacity).any():
@@ -165,18 +180,16 @@ class ReqToTokenTable:
         if self.device.type == "cuda":  # one kernel launch, checked above on the host
             from kernels.triton_ops.kv import apply_slot_deltas
 
-            def dev(a: np.ndarray) -> Tensor:
-                return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-            apply_slot_deltas(
-                self.table, dev(rows_np), dev(starts_np), dev(lengths_np), slots.to(self.device)
-            )
+            host = [rows_np, starts_np, lengths_np] + ([] if on_device else [slots])
+            staged = self.staging.to_device(host)
+            apply_slot_deltas(self.table, *staged[:3], slots if on_device else staged[3])
             return
         run_starts_flat = np.cumsum(lengths_np) - lengths_np
         row_idx = np.repeat(rows_np, lengths_np)
         col_shift = np.repeat(starts_np - run_starts_flat, lengths_np)
         col_idx = np.arange(total, dtype=np.int64) + col_shift
-        self.table[torch.from_numpy(row_idx), torch.from_numpy(col_idx)] = slots.to(self.device)
+        values = slots if on_device else torch.from_numpy(slots)
+        self.table[torch.from_numpy(row_idx), torch.from_numpy(col_idx)] = values.to(self.device)
 
     def clear_rows(self, rows: Sequence[int]) -> None:
         """Zero whole rows (debug hygiene; stale entries past a row's length are never read)."""

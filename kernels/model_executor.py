@@ -17,6 +17,7 @@ from kernels.attention.base import AttentionBackend, AttentionMetadata, Attentio
 from kernels.config import ModelConfig
 from kernels.forward_batch import ForwardBatch
 from kernels.forward_context import ForwardContext
+from kernels.host_staging import HostStaging
 from kernels.kv_cache import KVCache, ReqToTokenTable
 from kernels.layers import RotaryCache
 from kernels.lm_head import LmHead
@@ -79,6 +80,7 @@ class ModelExecutor:
         for layer_type in sorted(set(config.layer_types)):
             spec = config.rope_local if layer_type == "sliding_attention" else config.rope
             self.rotary[layer_type] = RotaryCache(spec, config.head_dim, self.device)
+        self.staging = HostStaging(self.device)
         self.graphs = None
         if cuda_graphs:
             from kernels.cuda_graphs import DecodeGraphs
@@ -100,57 +102,64 @@ class ModelExecutor:
         """`forward`, plus the logits of every new token of the requests flagged in `full`
         (float32 [their new tokens, vocab] each, in batch order of the flagged requests;
         prompt logprobs need them). A flagged request's last-token logits are a row of both."""
-        meta = self._prepare(batch)
-        starts = meta.qo_indptr_host
+        starts = np.zeros(batch.batch_size + 1, dtype=np.int64)
+        np.cumsum(batch.extend_lens, out=starts[1:])
         last = [int(starts[i + 1]) - 1 for i, need in enumerate(batch.need_logits) if need]
         spans = [range(int(starts[i]), int(starts[i + 1])) for i, f in enumerate(full) if f]
         rows = sorted(set(last).union(*spans))
         where = {row: k for k, row in enumerate(rows)}
-        hidden = self._body(batch, meta, torch.tensor(rows, dtype=torch.int64, device=self.device))
-        logits = self.lm_head(hidden)
-        picked = logits[torch.tensor([where[r] for r in last], dtype=torch.int64)]
-        per_request = [
-            logits[torch.tensor([where[r] for r in span], dtype=torch.int64)] for span in spans
-        ]
-        return picked, per_request
+        picked_at = np.asarray([where[r] for r in last], dtype=np.int64)
+        meta = self._prepare(batch, np.asarray(rows, dtype=np.int64), picked_at)
+        _, rows_t, picked_t = meta.extra
+        logits = self.lm_head(self._body(meta, rows_t))
+        # a span's rows are consecutive in `rows` (sorted, and the span is a whole range)
+        per_request = [logits[where[s.start] : where[s.start] + len(s)] for s in spans]
+        return logits[picked_t], per_request
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> Tensor:
         """Final-norm hidden states [num requests with need_logits, hidden]; writes the KV."""
-        meta = self._prepare(batch)
-        return self._body(batch, meta, self._logit_rows(batch, meta))
+        rows = self._logit_rows(batch)
+        meta = self._prepare(batch, *(() if rows is None else (rows,)))
+        return self._body(meta, None if rows is None else meta.extra[1])
 
-    def _build(self, batch: ForwardBatch) -> AttentionMetadata:
-        """Apply the batch's slot deltas and build its attention metadata."""
+    def _build(self, batch: ForwardBatch, *extra: np.ndarray) -> AttentionMetadata:
+        """Apply the batch's slot deltas and build its attention metadata; `meta.extra` is
+        the input ids, then `extra`, on the device (one transfer with the metadata)."""
         if batch.slot_deltas is not None:
             d = batch.slot_deltas
             self.req_to_token.apply_slot_deltas(d.rows, d.starts, d.lengths, d.flat_slots)
             self.kv_cache.map_swa(d.swa_full_pages, d.swa_pages)
         return AttentionMetadata.build(
-            batch, self.req_to_token, self.kv_cache, self.shape, validate=self.validate
+            batch,
+            self.req_to_token,
+            self.kv_cache,
+            self.shape,
+            validate=self.validate,
+            staging=self.staging,
+            extra=(batch.flat_input_ids(), *extra),
         )
 
-    def _prepare(self, batch: ForwardBatch) -> AttentionMetadata:
-        meta = self._build(batch)
+    def _prepare(self, batch: ForwardBatch, *extra: np.ndarray) -> AttentionMetadata:
+        meta = self._build(batch, *extra)
         self.attention.plan(meta)
         return meta
 
-    def _body(self, batch: ForwardBatch, meta: AttentionMetadata, rows: Tensor | None) -> Tensor:
+    def _body(self, meta: AttentionMetadata, rows: Tensor | None) -> Tensor:
         rope = {
             layer_type: cache.cos_sin(meta.positions, self.dtype)
             for layer_type, cache in self.rotary.items()
         }
         ctx = ForwardContext(attention=self.attention, kv_cache=self.kv_cache, rope=rope)
-        input_ids = torch.from_numpy(batch.flat_input_ids()).to(self.device)
         # The body always runs over every new token (their KV must be written), even when
         # no row is selected (a non-final prefill chunk).
-        return self.model(input_ids, ctx, rows)
+        return self.model(meta.extra[0], ctx, rows)
 
-    def _logit_rows(self, batch: ForwardBatch, meta: AttentionMetadata) -> Tensor | None:
+    @staticmethod
+    def _logit_rows(batch: ForwardBatch) -> np.ndarray | None:
         """Rows (flat token index) of the last new token of each need_logits request;
         None when that is every row (pure decode with logits for all)."""
         if batch.is_decode_only and all(batch.need_logits):
             return None
         wanted = np.asarray(batch.need_logits, dtype=bool)
-        last_rows = meta.qo_indptr_host[1:][wanted] - 1
-        return torch.from_numpy(last_rows).to(self.device)
+        return np.cumsum(batch.extend_lens)[wanted] - 1

@@ -11,14 +11,19 @@ over the flattened new tokens; `kv_indptr`/`kv_indices` over each request's slot
 positions [0, seq_len); `paged_kv()` regroups those slots into page ids plus
 `kv_last_page_len` for BatchPrefill/DecodeWithPagedKVCacheWrapper.plan; `window_left`
 is FlashInfer's spelling of the sliding window (keys in [q - window_left, q]).
+
+Host to device: `build` computes every index array on the host (`paged_kv`'s too) and
+stages them in one `HostStaging` transfer, then gathers the slots from the req-to-token
+table on the device; nothing in it waits for the device (the slot check that would is made
+only when the table is on the CPU).
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar
 
@@ -27,6 +32,7 @@ import torch
 from torch import Tensor
 
 from kernels.forward_batch import ForwardBatch
+from kernels.host_staging import HostStaging
 from kernels.kv_cache import KVCache, ReqToTokenTable
 
 
@@ -55,6 +61,22 @@ class PagedKvLayout:
     kv_last_page_len: Tensor  # int32 [B], in [1, page_size]
     kv_page_indptr_host: np.ndarray  # int32, the same on the host (planners want it there)
     kv_last_page_len_host: np.ndarray
+
+
+def paged_host_arrays(
+    seq_lens: np.ndarray, kv_indptr: np.ndarray, page_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For `AttentionMetadata.paged_kv`: the kv_indices position of each used page's first
+    key (int64), the page indptr and the last pages' lengths (int32). Valid because the
+    allocator places position p of a row at offset p % page_size of its page (pages are
+    filled in order)."""
+    pages_per_req = (seq_lens + page_size - 1) // page_size
+    page_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int64)
+    np.cumsum(pages_per_req, out=page_indptr[1:])
+    firsts = np.repeat(kv_indptr[:-1] - page_indptr[:-1] * page_size, pages_per_req)
+    first_pos = firsts + np.arange(int(page_indptr[-1]), dtype=np.int64) * page_size
+    last_len = (seq_lens - (pages_per_req - 1) * page_size).astype(np.int32)
+    return first_pos, page_indptr.astype(np.int32), last_len
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,12 @@ class AttentionMetadata:
     # Sliding layers' slot of a full slot (identity when the KV pools are one): their keys
     # are read at these, their new K/V written there by `KVCache.write`.
     sliding_slots: Callable[[Tensor], Tensor] | None = None
+    # The caller's `extra` host arrays of `build`, on the device, in order (same transfer).
+    extra: tuple[Tensor, ...] = field(default=(), compare=False, repr=False)
+    # `paged_kv`'s host arrays (`paged_host_arrays`) and their device copies, staged by
+    # `build` with the rest; None: `paged_kv` stages them itself, through `staging`.
+    paged_staged: tuple | None = field(default=None, compare=False, repr=False)
+    staging: HostStaging | None = field(default=None, compare=False, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -107,22 +135,17 @@ class AttentionMetadata:
 
     @cached_property
     def paged_kv(self) -> PagedKvLayout:
-        """Page ids per request; valid because the allocator places position p of a row at
-        offset p % page_size of its page (pages are filled in order)."""
-        page = self.page_size
-        pages_per_req = (self.seq_lens_host + page - 1) // page
-        page_indptr = np.zeros(self.batch_size + 1, dtype=np.int64)
-        np.cumsum(pages_per_req, out=page_indptr[1:])
-        firsts = np.repeat(self.kv_indptr_host[:-1] - page_indptr[:-1] * page, pages_per_req)
-        first_pos = firsts + np.arange(int(page_indptr[-1]), dtype=np.int64) * page
-        device = self.kv_indices.device
-        page_ids = self.kv_indices[torch.from_numpy(first_pos).to(device)] // page
-        last_len = (self.seq_lens_host - (pages_per_req - 1) * page).astype(np.int32)
-        indptr32 = page_indptr.astype(np.int32)
+        """Page ids per request (see `paged_host_arrays`)."""
+        staged = self.paged_staged
+        if staged is None:
+            host = paged_host_arrays(self.seq_lens_host, self.kv_indptr_host, self.page_size)
+            staging = self.staging or HostStaging(self.kv_indices.device)
+            staged = (*host, *staging.to_device(host))
+        first_pos, indptr32, last_len, first_pos_t, indptr_t, last_len_t = staged
         return PagedKvLayout(
-            kv_page_indptr=torch.from_numpy(indptr32).to(device),
-            kv_page_indices=page_ids.to(torch.int32),
-            kv_last_page_len=torch.from_numpy(last_len).to(device),
+            kv_page_indptr=indptr_t,
+            kv_page_indices=(self.kv_indices[first_pos_t] // self.page_size).to(torch.int32),
+            kv_last_page_len=last_len_t,
             kv_page_indptr_host=indptr32,
             kv_last_page_len_host=last_len,
         )
@@ -135,8 +158,17 @@ class AttentionMetadata:
         kv_cache: KVCache,
         shape: AttentionShape,
         validate: bool = True,
+        staging: HostStaging | None = None,
+        extra: Sequence[np.ndarray] = (),
     ) -> AttentionMetadata:
-        """Gather slots from the req-to-token table (whose deltas are already applied)."""
+        """Gather slots from the req-to-token table (whose deltas are already applied).
+
+        All host arrays, the caller's `extra` ones included (they come back as `meta.extra`),
+        go to the table's device in one `staging.to_device` call (default: a fresh
+        `HostStaging`). `validate` checks the rows' capacity on the host, and that every new
+        token has a slot outside the padding page only when the table is on the CPU: on a
+        GPU that check would wait for the device, so it is skipped there.
+        """
         device = req_to_token.device
         rows = np.asarray(batch.rows, dtype=np.int64)
         prefix = np.asarray(batch.prefix_lens, dtype=np.int64)
@@ -159,26 +191,32 @@ class AttentionMetadata:
         kv_rows = np.repeat(rows, seq)
         kv_cols = np.arange(num_kv, dtype=np.int64) - np.repeat(kv_indptr[:-1], seq)
 
-        table = req_to_token.table
-        positions_t = torch.from_numpy(positions).to(device)
-        out_slots = table[torch.from_numpy(token_rows).to(device), positions_t].long()
-        kv_rows_t = torch.from_numpy(kv_rows).to(device)
-        kv_indices = table[kv_rows_t, torch.from_numpy(kv_cols).to(device)].long()
-        if validate and int(out_slots.min()) < kv_cache.first_valid_slot:
-            raise ValueError("a new token has no slot (req-to-token entry in the padding page)")
+        i32 = np.int32
+        host = [qo_indptr.astype(i32), kv_indptr.astype(i32), seq.astype(i32)]
+        host += [prefix.astype(i32), extend.astype(i32), positions, token_rows, kv_rows, kv_cols]
+        paged = paged_host_arrays(seq, kv_indptr, kv_cache.page_size)
+        if staging is None:
+            staging = HostStaging(device)
+        staged = staging.to_device([*host, *paged, *extra])
+        qo_t, kv_t, seq_t, prefix_t, extend_t, positions_t = staged[:6]
+        token_rows_t, kv_rows_t, kv_cols_t = staged[6:9]
 
-        def dev32(a: np.ndarray) -> Tensor:
-            return torch.from_numpy(a.astype(np.int32)).to(device)
+        table = req_to_token.table
+        out_slots = table[token_rows_t, positions_t].long()
+        kv_indices = table[kv_rows_t, kv_cols_t].long()
+        if validate and device.type == "cpu":
+            if int(out_slots.min()) < kv_cache.first_valid_slot:
+                raise ValueError("a new token has no slot (req-to-token entry in the padding page)")
 
         return cls(
             shape=shape,
             page_size=kv_cache.page_size,
-            qo_indptr=dev32(qo_indptr),
-            kv_indptr=dev32(kv_indptr),
+            qo_indptr=qo_t,
+            kv_indptr=kv_t,
             kv_indices=kv_indices,
-            seq_lens=dev32(seq),
-            prefix_lens=dev32(prefix),
-            extend_lens=dev32(extend),
+            seq_lens=seq_t,
+            prefix_lens=prefix_t,
+            extend_lens=extend_t,
             positions=positions_t,
             out_slots=out_slots,
             qo_indptr_host=qo_indptr,
@@ -187,6 +225,9 @@ class AttentionMetadata:
             prefix_lens_host=prefix,
             extend_lens_host=extend,
             sliding_slots=kv_cache.sliding_slots if kv_cache.split else None,
+            extra=tuple(staged[12:]),
+            paged_staged=(*paged, *staged[9:12]),
+            staging=staging,
         )
 
 

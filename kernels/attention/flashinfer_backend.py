@@ -12,10 +12,15 @@ step reuses its kind's plan: `forward` stores the step's K/V and calls `run`.
 
 Logit soft-capping is passed through where a model has it (`logits_soft_cap`); the KV
 layout is NHD: [pages, page_size, kv_heads, head_dim], `KVCache.paged(layer)`.
+
+Every wrapper is pinned to FlashInfer's `fa2` backend (the tensor-core decode wrapper runs
+the same prefill module), so a machine JIT-compiles only fa2 modules; `warm` compiles them
+up front, for one model's shape, on a scratch KV.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,11 +30,13 @@ from torch import Tensor
 from kernels.attention.base import (
     AttentionBackend,
     AttentionMetadata,
+    AttentionShape,
     register_attention_backend,
 )
 from kernels.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's float workspace (split-KV partials)
+FI_BACKEND = "fa2"  # every wrapper's; "auto" would pick fa3 for prefill on SM90
 
 
 @dataclass(frozen=True)
@@ -106,26 +113,28 @@ class FlashInferBackend(AttentionBackend):
         self._graph_wrappers: dict[int, dict[str, object]] = {}  # bucket -> kind -> wrapper
         self._graph_slots: dict[int, Tensor] = {}  # bucket -> its static output slots
         kinds = ("full", "sliding")
-        self._prefill = {
-            k: flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD") for k in kinds
-        }
-        self._decode = {
-            k: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_tensor_cores=True
-            )
-            for k in kinds
-        }
+        self._prefill = {k: self._prefill_wrapper() for k in kinds}
+        self._decode = {k: self._decode_wrapper() for k in kinds}
         self._meta: AttentionMetadata | None = None
         self._wrappers: dict[str, object] = {}
         self._out_slots: Tensor | None = None
 
-    def _common(self, meta: AttentionMetadata, layout: FlashInferLayout) -> dict:
-        shape = meta.shape
+    def _prefill_wrapper(self):
+        return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend=FI_BACKEND
+        )
+
+    def _decode_wrapper(self, **graph_buffers):
+        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=True, backend=FI_BACKEND, **graph_buffers
+        )
+
+    def _common(self, shape: AttentionShape, page_size: int, window_left: int) -> dict:
         return dict(
             num_qo_heads=shape.num_q_heads,
             num_kv_heads=shape.num_kv_heads,
-            page_size=meta.page_size,
-            window_left=layout.window_left,
+            page_size=page_size,
+            window_left=window_left,
             logits_soft_cap=shape.logit_softcap,
             sm_scale=shape.scale,
             q_data_type=self.dtype,
@@ -139,7 +148,7 @@ class FlashInferBackend(AttentionBackend):
         decode = meta.is_decode_only
         self._wrappers = {}
         for kind, layout in flashinfer_layouts(meta).items():
-            common = self._common(meta, layout)
+            common = self._common(shape, meta.page_size, layout.window_left)
             if decode:
                 wrapper = self._decode[kind]
                 wrapper.plan(
@@ -172,11 +181,8 @@ class FlashInferBackend(AttentionBackend):
         wrappers = self._graph_wrappers.get(bucket)
         if wrappers is None:
             wrappers = self._graph_wrappers[bucket] = {
-                kind: self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace,
-                    "NHD",
+                kind: self._decode_wrapper(
                     use_cuda_graph=True,
-                    use_tensor_cores=True,
                     paged_kv_indptr_buffer=torch.empty(
                         bucket + 1, dtype=torch.int32, device=self.device
                     ),
@@ -200,12 +206,49 @@ class FlashInferBackend(AttentionBackend):
                 p.kv_page_indices,
                 p.kv_last_page_len_host,
                 head_dim=meta.shape.head_dim,
-                **self._common(meta, p),
+                **self._common(meta.shape, meta.page_size, p.window_left),
             )
             self._wrappers[kind] = wrapper
         slots = self._graph_slots[bucket]
         slots.copy_(padded(meta.out_slots, bucket))
         self._out_slots = slots
+
+    def warm(self, shape: AttentionShape, page_size: int) -> float:
+        """Plan and run one tiny prefill and one tiny decode per layer kind of `shape` on a
+        scratch paged KV of 2 pages (JIT-compiling FlashInfer's modules on a fresh machine);
+        the seconds it took, up to one synchronisation at the end. Uses wrappers of its own:
+        the backend's plans are left as they were."""
+        start = time.perf_counter()
+        kv_shape = (2, page_size, shape.num_kv_heads, shape.head_dim)
+        kv = tuple(torch.zeros(kv_shape, dtype=self.dtype, device=self.device) for _ in "kv")
+        seq_len = page_size + 1  # one full page, one key on the second
+        page_indptr = torch.tensor([0, 2], dtype=torch.int32)
+        pages = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+        last_len = torch.tensor([1], dtype=torch.int32)
+        qo_indptr = torch.tensor([0, seq_len], dtype=torch.int32)
+        q = torch.zeros(
+            (seq_len, shape.num_q_heads, shape.head_dim), dtype=self.dtype, device=self.device
+        )
+        prefill, decode = self._prefill_wrapper(), self._decode_wrapper()
+        windows = [-1]
+        if shape.sliding_window is not None:
+            windows.append(shape.sliding_window - 1)
+        for window_left in windows:
+            common = self._common(shape, page_size, window_left)
+            prefill.plan(
+                qo_indptr,
+                page_indptr,
+                pages,
+                last_len,
+                head_dim_qk=shape.head_dim,
+                causal=True,
+                **common,
+            )
+            prefill.run(q, kv)
+            decode.plan(page_indptr, pages, last_len, head_dim=shape.head_dim, **common)
+            decode.run(q[:1], kv)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def forward(
         self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, is_sliding: bool
