@@ -89,7 +89,7 @@ class ModelRunnerActor(Actor):
         self.max_rows = max_rows
         self.row_capacity = row_capacity
         self.own_process = own_process
-        # Decode graphs need CUDA and a backend that plans into fixed buffers (FlashInfer).
+        # Decode graphs need CUDA and a backend that plans into fixed buffers (GRAPH_BACKENDS).
         self.cuda_graphs = (
             cuda_graphs and self.device == "cuda" and self.attention_name in GRAPH_BACKENDS
         )

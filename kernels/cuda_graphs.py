@@ -2,11 +2,12 @@
 
 A pure decode step of n requests (one new token each, logits for all) runs as the graph of
 the smallest bucket >= n (`DECODE_BUCKETS`); larger steps, prefills and mixed steps run
-eagerly. The graph reads only static buffers: token ids, positions and output slots are
-copied into them before each replay, and the attention backend plans its fixed-size
-buffers for the bucket outside the graph (`plan_graph`). The bucket's padding rows point
-at the reserved page 0 (slot 0, position 0, token 0) and their logits are dropped, so
-they write nothing a request reads.
+eagerly. The graph reads only static buffers: before each replay the step's token ids and
+positions, padded on the host, go into them in one staged non-blocking copy
+(`kernels.host_staging`), and the attention backend plans its fixed-size buffers for the
+bucket (page lists, lengths, output slots) outside the graph (`plan_graph`). The bucket's
+padding rows point at the reserved page 0 (slot 0, position 0, token 0) and their logits
+are dropped, so they write nothing a request reads.
 
 Capture happens the first time a bucket is needed, during that real step: two eager
 warm-up runs on a side stream (they write the step's K/V, which the replay writes again,
@@ -14,25 +15,33 @@ identically), then the capture; all buckets share one memory pool. Sampling stay
 device-to-host copy of the step's logits (one sync per step, not per request).
 
 `bucket_for` and `pad_layout` are plain torch (unit-tested on the CPU); `DecodeGraphs`
-needs CUDA and a backend with `plan_graph` (FlashInfer).
+needs CUDA and a backend with `plan_graph` (`GRAPH_BACKENDS`: FlashInfer, Triton).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from kernels.forward_context import ForwardContext
+from kernels.host_staging import HostStaging
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-GRAPH_BACKENDS = ("flashinfer",)  # backends that plan into fixed buffers (`plan_graph`)
+GRAPH_BACKENDS = ("flashinfer", "triton")  # backends that plan into fixed buffers (`plan_graph`)
 
 
 def graph_max_pages(row_capacity: int, page_size: int) -> int:
     """Pages the largest bucket's batch may reference (its requests' pages, plus padding)."""
     return max(DECODE_BUCKETS) * (-(-row_capacity // page_size) + 1)
+
+
+def graph_request_pages(max_pages: int) -> int:
+    """Pages per request of a `graph_max_pages` budget (a row's pages plus one): a bucket of
+    b requests references at most b times this many."""
+    return max_pages // max(DECODE_BUCKETS)
 
 
 def bucket_for(n: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> int | None:
@@ -76,10 +85,17 @@ def padded(values: Tensor, bucket: int) -> Tensor:
 
 @dataclass
 class _Graph:
-    input_ids: Tensor  # int64 [bucket]
-    positions: Tensor  # int64 [bucket]
+    inputs: Tensor  # int64 [2, bucket]: token ids, then positions (one staged copy)
     logits: Tensor | None = None  # float32 [bucket, vocab], written by each replay
     graph: object | None = None  # torch.cuda.CUDAGraph
+
+    @property
+    def input_ids(self) -> Tensor:
+        return self.inputs[0]
+
+    @property
+    def positions(self) -> Tensor:
+        return self.inputs[1]
 
 
 class DecodeGraphs:
@@ -94,6 +110,7 @@ class DecodeGraphs:
         self.buckets = buckets
         self._graphs: dict[int, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self._staging = HostStaging(executor.device)
         self.replays = 0
 
     def fits(self, batch) -> bool:
@@ -110,15 +127,15 @@ class DecodeGraphs:
         bucket = bucket_for(n, self.buckets)
         self.executor.attention.plan_graph(meta, bucket)
         g = self._graphs.get(bucket)
-        device = self.executor.device
-        ids = torch.from_numpy(batch.flat_input_ids()).to(device)
         if g is None:
             g = _Graph(
-                input_ids=torch.zeros(bucket, dtype=torch.int64, device=device),
-                positions=torch.zeros(bucket, dtype=torch.int64, device=device),
+                inputs=torch.zeros(2, bucket, dtype=torch.int64, device=self.executor.device)
             )
-        g.input_ids.copy_(padded(ids, bucket))
-        g.positions.copy_(padded(meta.positions, bucket))
+        host = np.zeros((2, bucket), dtype=np.int64)  # padding: token 0 at position 0
+        host[0, :n] = batch.flat_input_ids()
+        host[1, :n] = meta.prefix_lens_host  # a decode token's position is its prefix length
+        (staged,) = self._staging.to_device([host])
+        g.inputs.copy_(staged, non_blocking=True)
         if g.graph is None:
             self._capture(g)
             self._graphs[bucket] = g
