@@ -40,7 +40,7 @@ class ModelSection(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # auto: torch on the CPU; flashinfer on CUDA when installed, else triton
     attention: Literal["auto", "torch", "flashinfer", "triton"] = "auto"
-    # decode steps as CUDA graphs per batch-size bucket (CUDA + flashinfer only)
+    # decode steps as CUDA graphs per batch-size bucket (CUDA only; flashinfer or triton)
     cuda_graphs: bool = True
     # weight layout of the decoder linears and LM head (kernels/linear.py): auto = fp16 for
     # an fp32 model on the CPU (fbgemm), else aten; aten = F.linear; onednn = oneDNN-packed;

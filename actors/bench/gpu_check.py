@@ -1,7 +1,8 @@
 """`bin/engine gpu-check`: prove the GPU runner on one device in a few minutes.
 
     bin/engine gpu-check [--random-weights] [--dry-run] [--json out.json]
-                         [--require flashinfer,cuda-graphs] [--batches 1 64 256]
+                         [--attention auto|triton|flashinfer] [--require flashinfer,cuda-graphs]
+                         [--batches 1 64 256]
 
 On the GPU machine without network, `bin/gpu-device-check` runs it with that machine's own
 python3 after staging the carried wheelhouse (docs/operations.md, "The GPU check").
@@ -12,12 +13,13 @@ so nothing has to be carried. Steps, in bf16 on CUDA:
   0. the attention backend `auto` picks, and with FlashInfer installed its kernels warmed
      (compiled on a fresh machine) in a step of their own, timed;
   1. parity by logprobs at every generated step: each prompt (several past the 512-token
-     sliding window) is generated greedily by the engine, once per attention backend
-     available (Triton, FlashInfer) and KV pool layout (one pool; a separate sliding-window
-     pool), and HF transformers scores the same tokens teacher-forced on the same device,
-     in fp32 (the reference) and in the engine's dtype (HF's own rounding error there). A
-     run passes when the engine's logprob of each token, and its choice against the
-     reference's best token, are within `max(--logprob-tol, 2 x HF's own error)`;
+     sliding window) is generated greedily by the engine (`model.linear = aten`), once per
+     attention backend available (Triton, FlashInfer; `--attention` keeps one) and KV pool
+     layout (one pool; a separate sliding-window pool); HF transformers scores the same
+     tokens teacher-forced on the same device, in fp32 (the reference) and in the engine's
+     dtype (HF's own rounding error there). A run passes when the engine's logprob of each
+     token, and its choice against the reference's best token, are within
+     `max(--logprob-tol, 2 x HF's own error)`;
   2. generation throughput at each batch size (64-token prompts, `--new-tokens` each,
      greedy, EOS ignored) through one engine for every batch, against HF `generate`;
   3. the engine stack against a bare loop over the model executor on the largest batch;
@@ -261,6 +263,7 @@ def engine_config(
         model__device=device,
         model__dtype=dtype,
         model__attention=attention,
+        model__linear="aten",  # the exact path (on the CPU, auto may pick fp16 weights)
         kv__page_size=16,
         kv__num_pages=pages,
         kv__swa_num_pages=swa_num_pages,
@@ -367,7 +370,9 @@ async def _throughput(cfg, groups: dict[int, tuple], new_tokens: int) -> dict[in
 
 def throughput(args, model_path, tokenizer, device, dtype) -> tuple[dict, dict]:
     max_batch = max(args.batches)
-    cfg = engine_config(device, args.dtype_name, max_batch, args.context, model_path)
+    cfg = engine_config(
+        device, args.dtype_name, max_batch, args.context, model_path, args.attention
+    )
     groups, offset = {}, 0
     for batch in args.batches:  # disjoint prompts: no prefix-cache hits between batches
         group = same_length_prompts(tokenizer, batch, args.prompt_tokens, offset)
@@ -421,8 +426,12 @@ def run(args) -> dict:
     if device == "cuda":
         report["device_name"] = torch.cuda.get_device_name(0)
     backends = attention_backends(device, dtype)
-    auto, why = choose_attention("auto", device, dtype)
-    report["attention"] = {"auto": auto, "why": why, "parity_on": backends}
+    if args.attention != "auto":
+        if args.attention not in backends:
+            raise SystemExit(f"--attention {args.attention}: this machine runs {backends}")
+        backends = [args.attention]
+    engine, why = choose_attention(args.attention, device, dtype)
+    report["attention"] = {"engine": engine, "why": why, "parity_on": backends}
     if "flashinfer" in backends:
         report["flashinfer_warm_s"] = round(warm_flashinfer(load_config(model_path), dtype), 1)
     report["setup_s"] = round(time.perf_counter() - t_start, 1)
@@ -436,7 +445,7 @@ def run(args) -> dict:
     )
     save(args, report)
     group = same_length_prompts(tokenizer, 1, args.prompt_tokens, offset=999)
-    cfg = engine_config(device, args.dtype_name, 1, args.context, model_path)
+    cfg = engine_config(device, args.dtype_name, 1, args.context, model_path, args.attention)
     report["batch1"] = batch1_decode(cfg, model_path, group[0], args.bandwidth_steps, device)
     report["unmet_requirements"] = unmet(args.require, report)
     report["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -452,8 +461,8 @@ def save(args, report: dict) -> None:
 def unmet(required: list[str], report: dict) -> list[str]:
     """The `--require`d features this run did not use, each with what it used instead."""
     out = []
-    if "flashinfer" in required and report["attention"]["auto"] != "flashinfer":
-        out.append(f"flashinfer: the engine chose {report['attention']['auto']}")
+    if "flashinfer" in required and report["attention"]["engine"] != "flashinfer":
+        out.append(f"flashinfer: the engine ran {report['attention']['engine']}")
     if "cuda-graphs" in required and not report["batch1"].get("graph_replays"):
         out.append("cuda-graphs: no decode step replayed a graph")
     return out
@@ -473,6 +482,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="of the random weights")
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "kvactor"))
     ap.add_argument("--logprob-tol", type=float, help="default 0.05 (bf16), 1e-3 (fp32)")
+    ap.add_argument("--attention", default="auto", help="auto (every backend), triton, ...")
     ap.add_argument("--require", default="", help="comma list: flashinfer,cuda-graphs")
     args = ap.parse_args()
     args.require = [r for r in args.require.split(",") if r]

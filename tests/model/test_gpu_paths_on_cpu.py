@@ -159,12 +159,16 @@ def test_gpu_check_dry_run_exercises_every_step(tmp_path):
 
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["dry_run"] is True
-    assert report["parity"]["passed"]
-    assert [p["prompt_tokens"] for p in report["parity"]["per_prompt"]] == [8, 600]
+    parity = report["parity"]
+    assert parity["passed"] and parity["window_prompts"] == 1
+    assert set(parity["runs"]) == {"torch/one_pool", "torch/sliding_pool"}
+    for run_ in parity["runs"].values():
+        assert [p["prompt_tokens"] for p in run_["per_prompt"]] == [8, 600]
+        assert all(p["tokens"] == 3 and p["max_logprob_err"] <= 1e-3 for p in run_["per_prompt"])
     assert set(report["throughput"]) == {"2"}
     assert (
         report["throughput"]["2"]["kvactor_tok_s"] > 0 and report["throughput"]["2"]["hf_tok_s"] > 0
     )
     assert report["engine_vs_bare"]["ratio"] > 0
-    bw = report["batch1_bandwidth"]
+    bw = report["batch1"]
     assert bw["bytes_per_step"] > 500_000_000 and 0 < bw["fraction_of_copy"]
