@@ -385,10 +385,16 @@ def throughput(args, model_path, tokenizer, device, dtype) -> tuple[dict, dict]:
     out = {}
     for batch, (group, _) in groups.items():
         theirs = hf_throughput(hf, group, args.new_tokens, device)
+        mine = ours[batch]
         out[str(batch)] = {
-            "kvactor_tok_s": round(ours[batch]["output_tok_s"], 1),
+            "kvactor_tok_s": round(mine["output_tok_s"], 1),
             "hf_tok_s": round(theirs, 1),
-            "ratio": round(ours[batch]["output_tok_s"] / theirs, 2),
+            "ratio": round(mine["output_tok_s"] / theirs, 2),
+            # where the engine's time went: the runner's share of the wall time, and the
+            # mean time per step outside the runner (scheduling, messages, detokenizing)
+            "steps": mine["steps"],
+            "runner_busy_share": round(mine["runner_busy_share"], 3),
+            "gap_ms_per_step": round(mine["gap_ms"], 2),
         }
     del hf
     gc.collect()
