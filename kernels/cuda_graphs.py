@@ -113,6 +113,11 @@ class DecodeGraphs:
         self._staging = HostStaging(executor.device)
         self.replays = 0
 
+    @property
+    def captured_buckets(self) -> list[int]:
+        """The buckets whose graph has been captured, smallest first."""
+        return sorted(self._graphs)
+
     def fits(self, batch) -> bool:
         return (
             batch.is_decode_only

@@ -202,7 +202,7 @@ def batch1_decode(cfg, model_path, prompt: list[int], steps: int, device: str) -
     step_s = (time.perf_counter() - t) / steps
     out = {"attention": attention, "step_ms": round(step_s * 1e3, 3)}
     graphs = executor.graphs
-    out["graph_buckets"] = sorted(graphs._graphs) if graphs is not None else []
+    out["graph_buckets"] = graphs.captured_buckets if graphs is not None else []
     out["graph_replays"] = graphs.replays if graphs is not None else 0
     if device == "cuda":
 
