@@ -56,6 +56,21 @@ CASES = [
     Case("json_string_body", 400, b'"hello"'),
     Case("not_json_at_all", 400, b"prompt=hello&max_tokens=3", code="invalid_json"),
     Case(
+        "json_sent_as_form",  # what `curl -d` sends without -H
+        415,
+        completion(),
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        code="unsupported_media_type",
+    ),
+    Case(
+        "chat_sent_as_text",
+        415,
+        chat(),
+        path=CHAT,
+        headers={"Content-Type": "text/plain; charset=utf-8"},
+        code="unsupported_media_type",
+    ),
+    Case(
         "invalid_utf8",
         400,
         b'{"model": "gemma-3-270m", "prompt": "\xff\xfe\xfd"}',

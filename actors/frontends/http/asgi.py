@@ -67,6 +67,21 @@ def request_id(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
+def check_json_content_type(scope: Scope) -> None:
+    """A body declared as anything but JSON is refused with 415, as vLLM does (`curl -d`
+    sends form encoding); a body with no Content-Type is read as JSON."""
+    declared = header(scope, b"content-type")
+    if declared is None:
+        return
+    media = declared.split(b";", 1)[0].strip().lower()
+    if media != b"application/json" and not media.endswith(b"+json"):
+        raise ApiError(
+            415,
+            f"Content-Type must be application/json, got {media.decode('latin-1')[:100]!r}",
+            code="unsupported_media_type",
+        )
+
+
 class RequestBodies:
     """Reads a request's body under `max_body_bytes` and `body_timeout_s`, and decodes it."""
 
@@ -80,7 +95,7 @@ class RequestBodies:
         a close) when it is not complete within `body_timeout_s` (a slow or short body)."""
         try:
             with anyio.fail_after(self.body_timeout_s):
-                return await self._read_unbounded(scope, receive)
+                body = await self._read_unbounded(scope, receive)
         except TimeoutError:
             raise ApiError(
                 408,
@@ -88,6 +103,8 @@ class RequestBodies:
                 code="request_timeout",
                 headers=[(b"connection", b"close")],
             ) from None
+        check_json_content_type(scope)  # after the body: the connection stays usable
+        return body
 
     async def _read_unbounded(self, scope: Scope, receive: Receive) -> bytes:
         declared = header(scope, b"content-length")
