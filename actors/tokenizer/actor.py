@@ -320,6 +320,7 @@ class TokenizerActor(Actor):
                 msg.add_generation_prompt,
                 msg.continue_final_message,
                 msg.chat_template_kwargs,
+                msg.tools,
             )
             check_prompt_size(len(text), self.context_len, self.max_token_chars)
             ids = await self._encode(text, False)
@@ -328,8 +329,8 @@ class TokenizerActor(Actor):
                 f"prompt is {len(ids)} tokens; this model's context is {self.context_len} tokens"
             )
         strs: list[str] = []
-        if msg.return_token_strs:
-            strs = self.bundle.tokenizer.decode_batch([[t] for t in ids])
+        if msg.return_token_strs:  # the vocabulary's pieces, as vLLM's convert_ids_to_tokens
+            strs = [self.bundle.tokenizer.id_to_token(t) or "" for t in ids]
         return TokenizeReply(tokens=ids, token_strs=strs, max_model_len=self.context_len)
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:

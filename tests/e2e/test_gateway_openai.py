@@ -254,6 +254,27 @@ def test_logprobs(client):
         assert bytes(item.bytes).decode() == item.token
 
 
+def test_completion_top_logprobs_always_hold_the_chosen_token(client):
+    """As OpenAI's: `logprobs=0` gives the chosen token alone per position, and a sampled
+    token outside the top k is listed beside them."""
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.top_logprobs) == 4
+    for chosen, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top == pytest.approx({chosen: value})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=1.5, seed=7, logprobs=1
+    )
+    lp = out.choices[0].logprobs
+    outside_top_1 = 0
+    for chosen, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[chosen] == pytest.approx(value, abs=1e-4) and 1 <= len(top) <= 2
+        outside_top_1 += len(top) == 2
+    assert outside_top_1 > 0  # at temperature 1.5 some draws are not the most likely token
+
+
 def test_metrics_content(client, server):
     before = scrape_metrics(server)
     client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0)

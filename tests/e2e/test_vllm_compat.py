@@ -142,6 +142,31 @@ def test_tokenize_detokenize_version(server, tokenizer):
     assert version.status_code == 200 and version.json()["version"]
 
 
+def test_tokenize_with_tools_counts_what_chat_prefills(client, server):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = {"model": MODEL_NAME, "messages": messages}
+    with_tools = post(server, "/tokenize", {**body, "tools": tools}).json()
+    without = post(server, "/tokenize", body).json()
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=tools, max_tokens=1, temperature=0
+    )
+    assert with_tools["count"] == chat.usage.prompt_tokens > without["count"]
+
+
 def test_request_id_is_echoed_and_names_the_completion(server):
     resp = post(
         server,

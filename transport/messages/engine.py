@@ -55,7 +55,8 @@ class TokenizeRequest(Message):
     add_generation_prompt: bool = True  # for messages
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, str | int | float | bool | None] = {}
-    return_token_strs: bool = False  # the reply carries each token's text too (same call)
+    tools: list[dict[str, Any]] = []  # with messages: as GenerateRequest's
+    return_token_strs: bool = False  # the reply carries each token's piece too (same call)
 
 
 class TokenizeReply(Message):

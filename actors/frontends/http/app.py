@@ -32,6 +32,7 @@ from actors.frontends.http.asgi import (
     request_id,
     send_response,
 )
+from actors.frontends.http.constraints import declared_tools
 from actors.frontends.http.errors import (
     NOT_FOUND,
     UNAVAILABLE,
@@ -261,7 +262,6 @@ class GatewayApp:
         renderer = CompletionRenderer(
             model,
             req.logprobs is not None,
-            req.logprobs or 0,
             request_id=scope["kvactor.request_id"],
             echo=bool(req.echo),
             prompt_logprobs=req.prompt_logprobs is not None,
@@ -316,6 +316,7 @@ class GatewayApp:
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+                tools=[t.openai() for t in declared_tools(req.tools)],
                 return_token_strs=req.return_token_strs,  # made in the same call
             )
         except GenerationError as exc:

@@ -95,16 +95,21 @@ def _json_schema(schema: Any, param: str) -> OutputConstraint:
         raise too_deep(f"{param}: the schema", param) from None
 
 
-def tool_setup(req: ChatCompletionRequest) -> tuple[str, list[Tool], OutputConstraint | None]:
-    """(tool mode, every tool the template is told about, the calls' constraint)."""
-    tools = [
+def declared_tools(tools_in) -> list[Tool]:
+    """The request's function tools (`ToolIn`s, or None) as the engine's `Tool`s."""
+    return [
         Tool(
             name=t.function.name,
             description=t.function.description or "",
             parameters=t.function.parameters or {"type": "object", "properties": {}},
         )
-        for t in req.tools or []
+        for t in tools_in or []
     ]
+
+
+def tool_setup(req: ChatCompletionRequest) -> tuple[str, list[Tool], OutputConstraint | None]:
+    """(tool mode, every tool the template is told about, the calls' constraint)."""
+    tools = declared_tools(req.tools)
     try:
         mode, callable_tools = resolve_tool_choice(tools, req.tool_choice)
     except ToolSpecError as exc:

@@ -392,10 +392,10 @@ def usage_of(jobs: list[Job], states: list[ChoiceState]) -> Usage:
     )
 
 
-def completion_logprobs(
-    lps: list[TokenLogprob], start_offset: int, with_top: bool
-) -> CompletionLogprobs:
-    """OpenAI's legacy logprobs shape; the first prompt token (echo) has null entries."""
+def completion_logprobs(lps: list[TokenLogprob], start_offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs shape; the first prompt token (echo) has null entries. Each
+    `top_logprobs` entry holds the `logprobs` best tokens and, as OpenAI's does, the chosen
+    (or echoed) token itself, so `logprobs=0` gives that token alone."""
     offsets = []
     pos = start_offset
     for lp in lps:
@@ -404,13 +404,17 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=[lp.text for lp in lps],
         token_logprobs=[lp.logprob for lp in lps],
-        top_logprobs=[
-            None if lp.logprob is None else {text: value for _, text, value in lp.top} for lp in lps
-        ]
-        if with_top
-        else None,
+        top_logprobs=[_top_with_chosen(lp) for lp in lps],
         text_offset=offsets,
     )
+
+
+def _top_with_chosen(lp: TokenLogprob) -> dict[str, float] | None:
+    if lp.logprob is None:
+        return None
+    top = {text: value for _, text, value in lp.top}
+    top.setdefault(lp.text, lp.logprob)
+    return top
 
 
 def vllm_prompt_logprobs(lps: list[TokenLogprob]) -> list[dict[str, dict] | None]:
@@ -454,7 +458,6 @@ class CompletionRenderer:
         self,
         model: str,
         want_logprobs: bool,
-        top_logprobs: int,
         *,
         request_id: str | None = None,
         echo: bool = False,
@@ -464,7 +467,6 @@ class CompletionRenderer:
         self.created = int(time.time())
         self.model = model
         self.want_logprobs = want_logprobs
-        self.with_top = top_logprobs > 0
         self.echo = echo
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field
 
@@ -490,9 +492,7 @@ class CompletionRenderer:
         return CompletionChoice(
             index=index,
             text=text,
-            logprobs=completion_logprobs(lps, offset, self.with_top)
-            if self.want_logprobs
-            else None,
+            logprobs=completion_logprobs(lps, offset) if self.want_logprobs else None,
             finish_reason=finish,
             stop_reason=state.stop_reason if finish else None,
             prompt_logprobs=vllm_prompt_logprobs(state.prompt_logprobs)

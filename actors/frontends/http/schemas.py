@@ -348,6 +348,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
+    # with messages: the tools the chat template is told about, as a chat request's
+    tools: Annotated[list[ToolIn], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
     return_token_strs: bool = False
 
 
