@@ -65,7 +65,8 @@ def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
 
 
 def fit_to_context(p: GenerationParams, prompt_len: int, context_len: int) -> GenerationParams:
-    """Refuse a prompt that leaves no room to generate; cap max_tokens at the room left."""
+    """Refuse a prompt that leaves no room to generate; cap max_tokens at the room left, or
+    refuse it there when the client set it (`max_tokens_strict`)."""
     if prompt_len == 0:
         raise BadRequest("prompt is empty")
     if prompt_len >= context_len:
@@ -73,6 +74,12 @@ def fit_to_context(p: GenerationParams, prompt_len: int, context_len: int) -> Ge
             f"prompt is {prompt_len} tokens; this model's context is {context_len} tokens"
         )
     room = context_len - prompt_len
+    if p.max_tokens > room and p.max_tokens_strict:
+        raise BadRequest(
+            f"max_tokens: the prompt is {prompt_len} tokens and this model's context is "
+            f"{context_len} tokens, so at most {room} can be generated; {p.max_tokens} were "
+            "asked for"
+        )
     if p.max_tokens > room:
         p = msgspec.structs.replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room))
     return p

@@ -90,6 +90,21 @@ CASES = [
         completion(prompt=[2] * (CONTEXT_LEN + 100)),
         code="context_length_exceeded",
     ),
+    Case(
+        "max_tokens_past_the_context",  # capped silently before; OpenAI and vLLM refuse
+        400,
+        completion(prompt=[2] * (CONTEXT_LEN - 10), max_tokens=11),
+        param="max_tokens",
+        code="context_length_exceeded",
+    ),
+    Case(
+        "chat_max_tokens_past_the_context",
+        400,
+        chat(max_tokens=CONTEXT_LEN),
+        path=CHAT,
+        param="max_tokens",
+        code="context_length_exceeded",
+    ),
     Case("max_tokens_string", 400, completion(max_tokens="ten"), param="max_tokens"),
     Case("max_tokens_negative", 400, completion(max_tokens=-5), param="max_tokens"),
     Case("max_tokens_zero", 400, completion(max_tokens=0), param="max_tokens"),

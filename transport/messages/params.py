@@ -76,6 +76,9 @@ class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # Prefix-cache isolation (vLLM's `cache_salt`): requests share cached KV pages only
     # with requests of the same salt ("" is the shared default namespace).
     cache_salt: str = ""
+    # An explicit max_tokens beyond the room the prompt leaves in the context is refused
+    # (OpenAI's and vLLM's HTTP APIs); otherwise it is capped at that room.
+    max_tokens_strict: bool = False
 
 
 class InvalidParams(ValueError):

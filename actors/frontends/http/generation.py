@@ -202,6 +202,7 @@ def _params(
         prompt_logprobs=prompt_logprobs,
         constraint=constraint,
         cache_salt=req.cache_salt or "",
+        max_tokens_strict=max_tokens is not None,  # a default is capped at the room left
     )
 
 
