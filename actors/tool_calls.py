@@ -26,6 +26,7 @@ Nothing here runs a model or an actor: the gateway and the tokenizer both use it
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +58,7 @@ class Tool:
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str  # JSON text of the arguments object
+    arguments: str  # JSON text of the arguments object (cut short: see `_cut_short_call`)
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
 
@@ -144,9 +145,14 @@ class ToolCallParser:
     whitespace is held until non-blank text follows, so the blanks between calls never
     become content) and the calls whose closing tag arrived; `finish` returns the rest. A
     block that is not a valid call is content, as written: at its closing tag when it does
-    not open with `{`, at the end of the text when it does but never parses."""
+    not open with `{`, at the end of the text when it does but never parses. A call cut
+    short by the end of the text (max_tokens) after its name is a call with the arguments
+    as far as they came, as OpenAI returns one; before its name it is content, unless the
+    output was constrained to calls alone (`calls_only`: tool_choice required or named),
+    where it is dropped: such an output has no content to show."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls_only: bool = False) -> None:
+        self.calls_only = calls_only
         self._buf = ""
         self._in_call = False
         self._blank = ""  # whitespace held back
@@ -203,14 +209,19 @@ class ToolCallParser:
             start = end + 1
         return None
 
-    def finish(self) -> str:
-        """The text still held: an unfinished call or tag prefix is content, as written."""
-        rest = (CALL_BEGIN if self._in_call else "") + self._buf
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The text still held (an unfinished tag prefix, or a call cut short before its
+        name, is content as written), and the call cut short after its name, if any."""
+        cut = _cut_short_call(self._buf) if self._in_call else None
+        dropped = cut is not None or self.calls_only  # calls alone: a tag prefix is no text
+        rest = "" if dropped else (CALL_BEGIN if self._in_call else "") + self._buf
+        calls = [cut] if cut else []
+        self.calls += calls
         # Blanks after the last call are dropped; blanks ending plain text are kept.
         tail = self._blank + rest if rest.strip() or not self.calls else ""
         self._buf, self._blank, self._in_call = "", "", False
         self.content.append(tail)
-        return tail
+        return tail, calls
 
     def _settle(self, text: str) -> str:
         """`text` plus the whitespace held before it, keeping its own trailing blanks back."""
@@ -229,13 +240,14 @@ class ToolCallParser:
         return blank
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole generation; content is None when only calls were made."""
-    parser = ToolCallParser()
+def parse_tool_calls(text: str, calls_only: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole generation; content is None when only calls were made
+    (or, with `calls_only`, none)."""
+    parser = ToolCallParser(calls_only)
     parser.feed(text)
-    parser.finish()
+    parser.finish()  # its calls are in parser.calls too
     content = "".join(parser.content)
-    if parser.calls and not content.strip():
+    if (parser.calls or calls_only) and not content.strip():
         return None, parser.calls
     return content, parser.calls
 
@@ -256,6 +268,20 @@ def _parse_call(body: str) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+
+
+_NAME_THEN_ARGUMENTS = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+def _cut_short_call(body: str) -> ToolCall | None:
+    """The call an unfinished block began, when its name is whole: the arguments are the
+    text that followed, as far as it came (not valid JSON)."""
+    found = _NAME_THEN_ARGUMENTS.match(body)
+    if found is None:
+        return None
+    return ToolCall(name=json.loads(found.group(1)), arguments=body[found.end() :].rstrip())
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -384,8 +384,42 @@ def test_parallel_required_calls_are_each_valid(client):
         seed=4,
     )
     choice = resp.choices[0]
-    check_calls(choice.message.tool_calls)
+    calls = choice.message.tool_calls
     assert choice.finish_reason in ("tool_calls", "length")
+    if choice.finish_reason == "length":  # the last call may be cut short: arguments so far
+        *calls, last = calls
+        assert last.function.name in SCHEMA_OF
+    check_calls(calls)
+
+
+@pytest.mark.parametrize("max_tokens", [4, 12, 20])
+def test_a_named_call_cut_short_by_max_tokens_is_never_markup(client, max_tokens):
+    """Before its name is whole the call is dropped; after, it is a call with its arguments
+    so far, as OpenAI returns it; streamed the same. `<tool_call>` never reaches content."""
+    kw = dict(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.content
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert all(name == "get_weather" and "<tool_call>" not in args for name, args in calls)
+    streamed, content = {}, ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:  # the usage event
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            slot = streamed.setdefault(d.index, ["", ""])
+            slot[0] += d.function.name or ""
+            slot[1] += d.function.arguments or ""
+    assert not content and [tuple(v) for _, v in sorted(streamed.items())] == calls
 
 
 def test_a_named_tool_is_called_and_its_result_answered(client):

@@ -29,8 +29,9 @@ def stream_pieces(text: str, size: int) -> tuple[str, list]:
         c, new = parser.feed(text[i : i + size])
         content.append(c)
         calls += new
-    content.append(parser.finish())
-    return "".join(content), calls
+    tail, cut = parser.finish()
+    content.append(tail)
+    return "".join(content), calls + cut
 
 
 @pytest.mark.parametrize(
@@ -82,6 +83,23 @@ def test_parsing_whole_and_streamed_agree(text, content, calls):
             (c.name, c.arguments) for c in got_calls
         ]
     assert len({c.id for c in got_calls}) == len(got_calls)
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_a_call_cut_short_after_its_name_is_a_call_not_markup(size):
+    """max_tokens ending a call: OpenAI returns the call with its arguments as far as they
+    came; the `<tool_call>` markup never reaches the content."""
+    text = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Os'
+    for got_content, got_calls in (parse_tool_calls(text), stream_pieces(text, size)):
+        assert got_content == "Checking."
+        assert [(c.name, c.arguments) for c in got_calls] == [("get_weather", '{"city": "Os')]
+    only = '<tool_call>\n{"name": "get_weather", "arguments": '
+    content, calls = parse_tool_calls(only)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", "")]
+    before_the_name = '<tool_call>\n{"name": "get_wea'
+    assert parse_tool_calls(before_the_name) == (before_the_name, [])  # free text: as written
+    assert parse_tool_calls(before_the_name, calls_only=True) == (None, [])
+    assert parse_tool_calls("<tool_c", calls_only=True) == (None, [])
 
 
 def test_tool_choice_rules():

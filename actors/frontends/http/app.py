@@ -282,6 +282,7 @@ class GatewayApp:
             bool(req.logprobs),
             request_id=scope["kvactor.request_id"],
             parse_tools=jobs[0].parses_tools,
+            calls_only=jobs[0].calls_only,
         )
         await self.responder.run(
             scope, receive, send, jobs, renderer, bool(req.stream), include_usage

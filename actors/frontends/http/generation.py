@@ -62,6 +62,7 @@ class Job:
     params: GenerationParams
     echo: bool = False  # completions: the prompt precedes the completion in the response
     parses_tools: bool = False  # chat with tools: tool calls are parsed out of the text
+    calls_only: bool = False  # tool_choice required or named: the output is calls alone
     constraint_param: str | None = None  # the field the output constraint came from
 
 
@@ -212,6 +213,7 @@ def _expand(
     params: GenerationParams,
     echo: bool = False,
     parses_tools: bool = False,
+    calls_only: bool = False,
     constraint_param: str | None = None,
 ) -> list[Job]:
     jobs = []
@@ -228,6 +230,7 @@ def _expand(
                     params=seeded,
                     echo=echo,
                     parses_tools=parses_tools,
+                    calls_only=calls_only,
                     constraint_param=constraint_param,
                 )
             )
@@ -344,6 +347,7 @@ def chat_jobs(req: ChatCompletionRequest, context_len: int, defaults: dict[str, 
         req.n or 1,
         params,
         parses_tools=tool_mode != "none",
+        calls_only=tool_mode in ("required", "named"),
         constraint_param=found[0] if found else ("tools" if constraint else None),
     )
 
@@ -543,12 +547,14 @@ class ChatRenderer:
         *,
         request_id: str | None = None,
         parse_tools: bool = False,
+        calls_only: bool = False,
     ) -> None:
         self.id = new_id("chatcmpl", request_id)
         self.created = int(time.time())
         self.model = model
         self.want_logprobs = want_logprobs
         self.parse_tools = parse_tools
+        self.calls_only = calls_only  # an unfinished call is never content (see the parser)
         self._parsers: dict[int, ToolCallParser] = {}  # streaming, per choice
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
@@ -591,11 +597,12 @@ class ChatRenderer:
     ) -> tuple[ChatDelta | None, str | None]:
         """The content and the calls a streamed chunk makes certain (calls are sent whole,
         once their closing tag arrived); "tool_calls" ends a choice that made calls."""
-        parser = self._parsers.setdefault(index, ToolCallParser())
+        parser = self._parsers.setdefault(index, ToolCallParser(self.calls_only))
         before = len(parser.calls)
         content, calls = parser.feed(text)
         if finish is not None:
-            content += parser.finish()
+            tail, cut = parser.finish()
+            content, calls = content + tail, calls + cut
             if parser.calls and finish == "stop":
                 finish = "tool_calls"
         deltas = [
@@ -638,7 +645,7 @@ class ChatRenderer:
         "tool_calls" for one that stopped after making calls."""
         if not self.parse_tools:
             return ChatMessageOut(content=state.text), state.finish_reason
-        content, calls = parse_tool_calls(state.text)
+        content, calls = parse_tool_calls(state.text, self.calls_only)
         message = ChatMessageOut(content=content, tool_calls=[_call_out(c) for c in calls] or None)
         finish = "tool_calls" if calls and state.finish_reason == "stop" else state.finish_reason
         return message, finish
