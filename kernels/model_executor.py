@@ -68,14 +68,7 @@ class ModelExecutor:
                 backend=fp16_plan() if self.linear == "fp16" else "auto",
             )
         self.lm_head = lm_head
-        self.shape = AttentionShape(
-            num_q_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            scale=config.attn_scale,
-            logit_softcap=config.attn_logit_softcap,
-            sliding_window=config.sliding_window,
-        )
+        self.shape = AttentionShape.of(config)
         self.rotary: dict[str, RotaryCache] = {}
         for layer_type in sorted(set(config.layer_types)):
             spec = config.rope_local if layer_type == "sliding_attention" else config.rope

@@ -291,15 +291,7 @@ def warm_flashinfer(config, dtype: torch.dtype) -> float:
     from kernels.attention import AttentionShape
     from kernels.attention.flashinfer_backend import FlashInferBackend
 
-    shape = AttentionShape(
-        num_q_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        scale=config.attn_scale,
-        logit_softcap=config.attn_logit_softcap,
-        sliding_window=config.sliding_window,
-    )
-    return FlashInferBackend("cuda", dtype).warm(shape, page_size=16)
+    return FlashInferBackend("cuda", dtype).warm(AttentionShape.of(config), page_size=16)
 
 
 def parity(args, model_path, prompts, device, dtype, backends) -> dict:

@@ -47,6 +47,18 @@ class AttentionShape:
     logit_softcap: float | None
     sliding_window: int | None
 
+    @classmethod
+    def of(cls, config) -> AttentionShape:
+        """The shape of a model's attention (`config`: its `kernels.config.ModelConfig`)."""
+        return cls(
+            num_q_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            scale=config.attn_scale,
+            logit_softcap=config.attn_logit_softcap,
+            sliding_window=config.sliding_window,
+        )
+
     @property
     def group_size(self) -> int:
         return self.num_q_heads // self.num_kv_heads

@@ -21,9 +21,10 @@ from kernels.kv_cache import KVCache, ReqToTokenTable
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def scrambled_setup(page: int, split: bool, window: int | None):
-    """Rows over pages in scrambled order, a mixed batch (prefill on a prefix, decode, fresh
-    prompt), and for `split` a sliding pool whose map is scrambled too."""
+def scrambled_inputs(page: int, split: bool, window: int | None, first_token: int | None = None):
+    """(batch, table, cache, shape): rows over pages in scrambled order, a mixed batch
+    (prefill on a prefix, decode, fresh prompt), and for `split` a sliding pool whose map is
+    scrambled too. Request i's tokens are `first_token + i` (all 0 when None)."""
     torch.manual_seed(page)
     prefix_lens, extends = [37, 50, 0], [5, 1, 23]
     capacity, rows = 64, len(prefix_lens)
@@ -45,7 +46,14 @@ def scrambled_setup(page: int, split: bool, window: int | None):
     flat = (pages[:, None] * page + torch.arange(page)).reshape(rows, capacity)
     table.apply_slot_deltas(list(range(rows)), [0] * rows, [capacity] * rows, flat.reshape(-1))
     shape = AttentionShape(4, 1, 8, 8**-0.5, None, window)
-    batch = ForwardBatch(list(range(rows)), prefix_lens, [[0] * e for e in extends], [True] * rows)
+    ids = [[0 if first_token is None else first_token + i] * e for i, e in enumerate(extends)]
+    batch = ForwardBatch(list(range(rows)), prefix_lens, ids, [True] * rows)
+    return batch, table, cache, shape
+
+
+def scrambled_setup(page: int, split: bool, window: int | None):
+    """`scrambled_inputs`' metadata, and its cache."""
+    batch, table, cache, shape = scrambled_inputs(page, split, window)
     return AttentionMetadata.build(batch, table, cache, shape), cache
 
 

@@ -12,37 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, AttentionShape
+from kernels.attention import AttentionMetadata
 from kernels.forward_batch import ForwardBatch
 from kernels.host_staging import HostStaging
 from kernels.kv_cache import KVCache, ReqToTokenTable
+from tests.model.test_gpu_paths_on_cpu import scrambled_inputs
 
 
 def mixed_setup(page: int, split: bool):
-    """Rows over scrambled pages; prefill on a prefix, decode, fresh prompt."""
-    torch.manual_seed(page)
-    prefix_lens, extends = [37, 50, 0], [5, 1, 23]
-    capacity, rows = 64, len(prefix_lens)
-    num_pages = rows * capacity // page
-    cache = KVCache(
-        num_layers=2,
-        num_slots=(num_pages + 1) * page,
-        num_kv_heads=1,
-        head_dim=8,
-        page_size=page,
-        sliding_layers=[1] if split else [],
-        swa_num_pages=num_pages if split else 0,
-    )
-    if split:
-        cache.map_swa(list(range(1, num_pages + 1)), (torch.randperm(num_pages) + 1).tolist())
-    table = ReqToTokenTable(rows, capacity)
-    pages = torch.randperm(num_pages) + 1
-    flat = (pages[:, None] * page + torch.arange(page)).reshape(rows, capacity)
-    table.apply_slot_deltas(list(range(rows)), [0] * rows, [capacity] * rows, flat.reshape(-1))
-    shape = AttentionShape(4, 1, 8, 8**-0.5, None, 8)
-    ids = [[7 + i] * e for i, e in enumerate(extends)]
-    batch = ForwardBatch(list(range(rows)), prefix_lens, ids, [True] * rows)
-    return batch, table, cache, shape
+    """Rows over scrambled pages; prefill on a prefix, decode, fresh prompt; window 8."""
+    return scrambled_inputs(page, split, window=8, first_token=7)
 
 
 def assert_same(a, b) -> None:
