@@ -46,6 +46,18 @@ SERVE_FLAGS = [
     ("--max-num-seqs", "scheduler.max_running_requests", int, "requests decoding at once"),
     ("--chat-template", "server.chat_template", str, "a chat template file (or its text)"),
     (
+        "--tool-call-parser",
+        "server.tool_call_parser",
+        str,
+        "auto | hermes | llama3_json | mistral | pythonic | qwen3_coder (auto: from the template)",
+    ),
+    (
+        "--reasoning-parser",
+        "server.reasoning_parser",
+        str,
+        "deepseek_r1 | qwen3: the model's <think> text as reasoning, apart from the answer",
+    ),
+    (
         "--generation-config",
         "model.generation_config",
         str,

@@ -116,6 +116,10 @@ class ServerSection(_Section):
     model_name: str = ""  # "" = the model's own name (the path given, or gemma-3-270m)
     aliases: list[str] = msgspec.field(default_factory=list)  # more names it answers to
     chat_template: str = ""  # "" = the model's; else a file path or the template itself
+    # How tool calls are written and parsed: auto (from the chat template) | hermes |
+    # llama3_json | mistral | pythonic | qwen3_coder
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = ""  # "" = off; deepseek_r1 | qwen3: thinking split from answers
     allowed_origins: list[str] = msgspec.field(default_factory=list)  # CORS; [] = off
     sse_keepalive_s: float = 5.0  # a stream silent this long gets an SSE comment
     stuck_after_s: float = 120.0  # /health: an actor on one message this long is down

@@ -125,6 +125,9 @@ class SessionRefused(Exception):
         self.message = message
 
 
+# The prompt's last tokens go back with `Accepted` as text: output parsers (reasoning) need to
+# know whether the prompt left a tag open (a template that opens `<think>` for the model).
+PROMPT_TAIL_TOKENS = 8
 RUNNER_FAILED_TEXT = "the model runner failed while running this request; retry it"
 
 
@@ -144,7 +147,9 @@ class TokenizerActor(Actor):
         grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S,
         grammar_max_bytes: int = GRAMMAR_MAX_BYTES,
         grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES,
+        tool_call_parser: str = "auto",
     ):
+        self.tool_call_parser = tool_call_parser  # the format tool-call history is written in
         self.template_timeout_s = template_timeout_s
         self.runner_name = runner
         self.grammar_compile_timeout_s = grammar_compile_timeout_s
@@ -413,7 +418,10 @@ class TokenizerActor(Actor):
             if msg.session_id:
                 await self._end_turn_now(msg.session_id, rid)
             raise
-        return Accepted(client_rid=msg.client_rid, rid=rid, prompt_tokens=len(ids))
+        tail = self.bundle.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return Accepted(
+            client_rid=msg.client_rid, rid=rid, prompt_tokens=len(ids), prompt_tail=tail
+        )
 
     async def _submit(self, new: NewRequest) -> None:
         """Hand the request to the scheduler, acknowledged: `Unavailable` when it did not

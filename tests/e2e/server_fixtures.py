@@ -180,6 +180,8 @@ def scrape_metrics(handle: ServerHandle, model_name: str = MODEL_NAME) -> dict[s
     """/metrics parsed by `prometheus_client.parser`, as {"name{labels}": value}.
 
     Every kvactor: and vllm: series carries `model_name` (checked here); keys leave it out.
+    Series with an `endpoint` label are summed over endpoints under keys without it; the
+    per-endpoint samples are kept too, under keys with it.
     """
     resp = httpx.get(f"{handle.base_url}/metrics", timeout=10.0)
     assert resp.status_code == 200, resp.text
@@ -192,6 +194,10 @@ def scrape_metrics(handle: ServerHandle, model_name: str = MODEL_NAME) -> dict[s
                 assert labels.pop("model_name", None) == model_name, sample
             inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
             out[f"{sample.name}{{{inner}}}" if inner else sample.name] = sample.value
+            if labels.pop("endpoint", None) is not None:
+                inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                key = f"{sample.name}{{{inner}}}" if inner else sample.name
+                out[key] = out.get(key, 0.0) + sample.value
     return out
 
 

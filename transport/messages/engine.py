@@ -77,6 +77,7 @@ class Accepted(Message):
     client_rid: str
     rid: int
     prompt_tokens: int
+    prompt_tail: str = ""  # the text of the prompt's last few tokens, special tokens kept
 
 
 class AbortGeneration(Message):

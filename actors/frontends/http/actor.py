@@ -68,6 +68,8 @@ class GatewayActor(FrontendActor):
         allocator: str = "allocator",
         max_body_bytes: int = MAX_BODY_BYTES,
         generation_defaults: dict | None = None,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str = "",
         allowed_origins: Sequence[str] = (),
         sse_keepalive_s: float = 5.0,
         stuck_after_s: float = 120.0,
@@ -79,6 +81,8 @@ class GatewayActor(FrontendActor):
         super().__init__(tokenizer)
         self.model_names = list(model_names)
         self.generation_defaults = dict(generation_defaults or {})
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.allowed_origins = list(allowed_origins)
         self.sse_keepalive_s = sse_keepalive_s
         self.stuck_after_s = stuck_after_s
@@ -108,6 +112,8 @@ class GatewayActor(FrontendActor):
             model_names=self.model_names,
             context_len=self.context_len,
             generation_defaults=self.generation_defaults,
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
             allowed_origins=self.allowed_origins,
             keepalive_s=self.sse_keepalive_s,
             api_key=self.api_key,

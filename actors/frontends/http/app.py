@@ -16,11 +16,13 @@ import hmac
 import importlib.metadata
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from actors.frontends.base import EngineClient, GenerationError
+from actors.frontends.http import anthropic, responses
 from actors.frontends.http.asgi import (
     JSON_HEADERS,
     ClientGone,
@@ -77,7 +79,37 @@ except importlib.metadata.PackageNotFoundError:  # running from a plain checkout
 HealthProbe = Callable[[], Awaitable[dict[str, str | None]]]  # actor -> None (up) or why down
 StatsProbe = Callable[[], Awaitable[tuple[SchedulerStats | None, KvStats | None]]]
 
-_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One path of the gateway: its handlers by method, its `endpoint` label in the
+    metrics, the API whose error shape it answers with, and whether it generates (refused
+    while the server drains). A `prefix` route serves every path below it (`/v1/models/x`)."""
+
+    path: str
+    methods: dict[str, Handler]
+    endpoint: str
+    api: str = "openai"
+    gen: bool = False
+    prefix: bool = False
+
+
+class RouteTable:
+    """Every route of the app, declared in one list; exact paths first, then prefixes."""
+
+    def __init__(self, routes: list[Route]) -> None:
+        self.exact = {r.path: r for r in routes if not r.prefix}
+        self.prefixes = sorted((r for r in routes if r.prefix), key=lambda r: -len(r.path))
+
+    def find(self, path: str) -> Route | None:
+        route = self.exact.get(path)
+        if route is None:
+            route = next((r for r in self.prefixes if path.startswith(r.path)), None)
+        return route
+
+
 _json = msgspec.json.Encoder()
 
 
@@ -96,6 +128,8 @@ class GatewayApp:
         metrics: GatewayMetrics | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         generation_defaults: dict[str, Any] | None = None,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str = "",
         allowed_origins: list[str] | None = None,
         keepalive_s: float = SSE_KEEPALIVE_S,
         body_timeout_s: float = BODY_TIMEOUT_S,
@@ -108,6 +142,8 @@ class GatewayApp:
         self.model_name = self.model_names[0]
         self.context_len = context_len
         self.generation_defaults = dict(generation_defaults or {})
+        self.tool_call_parser = tool_call_parser  # the format tool calls are parsed in
+        self.reasoning_parser = reasoning_parser  # "" = no reasoning split
         self.allowed_origins = set(allowed_origins or ())
         # Any of these keys opens /v1/* (vLLM's --api-key takes several); none: no auth.
         keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
@@ -119,17 +155,47 @@ class GatewayApp:
         self.responder = GenerationResponder(client, self.metrics, keepalive_s)
         self.accepting = accepting
         self.created = int(time.time())
-        self.routes: dict[str, dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
-            "/v1/completions": {"POST": self._completions},
-            "/v1/chat/completions": {"POST": self._chat_completions},
-            "/v1/models": {"GET": self._models},
-            "/health": {"GET": self._health},
-            "/metrics": {"GET": self._metrics},
-            "/tokenize": {"POST": self._tokenize},
-            "/detokenize": {"POST": self._detokenize},
-            "/version": {"GET": self._version},
-            "/v1/sessions": {"POST": self._open_session},
-        }
+        self.routes = RouteTable(
+            [
+                Route("/v1/completions", {"POST": self._completions}, "completions", gen=True),
+                Route(
+                    "/v1/chat/completions",
+                    {"POST": self._chat_completions},
+                    "chat_completions",
+                    gen=True,
+                ),
+                Route("/v1/responses", {"POST": self._responses}, "responses", gen=True),
+                Route(
+                    "/v1/responses/",
+                    {"GET": self._get_response, "DELETE": self._delete_response},
+                    "responses",
+                    prefix=True,
+                ),
+                Route(
+                    "/v1/messages", {"POST": self._messages}, "messages", api="anthropic", gen=True
+                ),
+                Route(
+                    "/v1/messages/count_tokens",
+                    {"POST": self._count_tokens},
+                    "messages_count_tokens",
+                    api="anthropic",
+                ),
+                Route("/v1/models", {"GET": self._models}, "models"),
+                Route("/v1/models/", {"GET": self._model}, "models", prefix=True),
+                Route("/v1/sessions", {"POST": self._open_session}, "sessions"),
+                Route(
+                    "/v1/sessions/",
+                    {"GET": self._get_session, "DELETE": self._close_session},
+                    "sessions",
+                    prefix=True,
+                ),
+                Route("/health", {"GET": self._health}, "health"),
+                Route("/metrics", {"GET": self._metrics}, "metrics"),
+                Route("/tokenize", {"POST": self._tokenize}, "tokenize"),
+                Route("/detokenize", {"POST": self._detokenize}, "detokenize"),
+                Route("/version", {"GET": self._version}, "version"),
+            ]
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -151,23 +217,24 @@ class GatewayApp:
             await raw_send(message)
 
         send = send_with_headers
+        route = self.routes.find(scope["path"])
+        scope["kvactor.endpoint"] = route.endpoint if route else "unknown"
+        api = route.api if route else "openai"
         try:
-            await self._dispatch(scope, receive, send)
+            await self._dispatch(route, scope, receive, send)
         except ApiError as err:
-            self.metrics.count_error(err.status)
-            await send_response(send, err.status, err.body(), [*JSON_HEADERS, *err.headers])
+            self.metrics.count_error(err.status, scope["kvactor.endpoint"])
+            await send_response(send, err.status, err.body(api), [*JSON_HEADERS, *err.headers])
         except ClientGone:
-            self.metrics.count_aborted()
+            self.metrics.count_aborted(scope["kvactor.endpoint"])
 
-    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _dispatch(
+        self, route: Route | None, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         path: str = scope["path"]
-        methods = self.routes.get(path)
-        if methods is None and path.startswith("/v1/models/"):
-            methods = {"GET": self._model}
-        if methods is None and path.startswith("/v1/sessions/"):
-            methods = {"GET": self._get_session, "DELETE": self._close_session}
-        if methods is None:
+        if route is None:
             raise ApiError(404, f"no route {clip(path)}", type=NOT_FOUND, code="not_found")
+        methods = route.methods
         method = scope["method"]
         if method == "OPTIONS":
             await self._options(scope, send, methods)
@@ -183,7 +250,7 @@ class GatewayApp:
         if path.startswith("/v1/"):
             # The key a request authorized with owns the sessions it opens (below).
             scope["kvactor.api_key"] = self._authorize(scope)
-        if method == "POST" and path in _GENERATION_PATHS and not self.accepting():
+        if route.gen and method == "POST" and not self.accepting():
             raise ApiError(
                 503,
                 "the server is shutting down and takes no new requests; retry elsewhere",
@@ -224,16 +291,18 @@ class GatewayApp:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _authorize(self, scope: Scope) -> str:
-        """The configured key the request carries ("" when no keys are configured); 401
-        without one."""
+        """The configured key the request carries, in `Authorization: Bearer` or Anthropic's
+        `x-api-key` ("" when no keys are configured); 401 without one."""
         if not self._api_keys:
             return ""
         given = header(scope, b"authorization")
         scheme, _, token = (given or b"").partition(b" ")
+        if given is None and (anthropic_key := header(scope, b"x-api-key")) is not None:
+            given, scheme, token = anthropic_key, b"bearer", anthropic_key  # Anthropic's header
         if given is None:
             raise ApiError(
                 401,
-                "Missing API key: send `Authorization: Bearer <key>`.",
+                "Missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
                 code="invalid_api_key",
                 headers=[(b"www-authenticate", b"Bearer")],
             )
@@ -276,17 +345,37 @@ class GatewayApp:
         )
         model = check_model(req.model, self.model_names)
         include_usage = _include_usage(req)
-        jobs = chat_jobs(req, self.context_len, self.generation_defaults)
+        jobs = chat_jobs(
+            req,
+            self.context_len,
+            self.generation_defaults,
+            tool_format=self.tool_call_parser,
+            reasoning=self.reasoning_parser,
+        )
         renderer = ChatRenderer(
             model,
             bool(req.logprobs),
             request_id=scope["kvactor.request_id"],
-            parse_tools=jobs[0].parses_tools,
-            calls_only=jobs[0].calls_only,
+            policy=jobs[0].policy,
         )
         await self.responder.run(
             scope, receive, send, jobs, renderer, bool(req.stream), include_usage
         )
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await responses.create(self, scope, receive, send)
+
+    async def _get_response(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await responses.retrieve(self, scope, receive, send)
+
+    async def _delete_response(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await responses.delete(self, scope, receive, send)
+
+    async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await anthropic.messages(self, scope, receive, send)
+
+    async def _count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await anthropic.count_tokens(self, scope, receive, send)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         cards = [self._card(name) for name in self.model_names]

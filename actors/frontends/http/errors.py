@@ -57,8 +57,32 @@ class ApiError(Exception):
         self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
         self.headers = headers or []
 
-    def body(self) -> bytes:
+    def body(self, api: str = "openai") -> bytes:
+        """The error body in the shape of the API the request spoke."""
+        if api == "anthropic":
+            return msgspec.json.encode(anthropic_error(self))
         return msgspec.json.encode(ErrorBody(error=self.detail))
+
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error(error: ApiError) -> dict:
+    """`{"type": "error", "error": {"type", "message"}}`, as the Messages API answers."""
+    kind = _ANTHROPIC_TYPES.get(error.status)
+    if kind is None:
+        kind = "invalid_request_error" if error.status < 500 else "api_error"
+    return {"type": "error", "error": {"type": kind, "message": error.detail.message}}
 
 
 _PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")

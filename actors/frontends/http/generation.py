@@ -13,12 +13,13 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from actors.frontends.http.constraints import constraint_of, tool_setup
-from actors.frontends.http.errors import ApiError
+from actors.frontends.http.errors import ApiError, ErrorBody
+from actors.frontends.http.output_parts import OutputPolicy, OutputSplitter, Parts, split_whole
 from actors.frontends.http.schemas import (
     MAX_CHOICES,
     MAX_PROMPTS,
@@ -45,7 +46,8 @@ from actors.frontends.http.schemas import (
     TopLogprob,
     Usage,
 )
-from actors.tool_calls import ToolCall, ToolCallParser, parse_tool_calls
+from actors.frontends.http.sse import DONE_EVENT, sse_event
+from actors.tool_calls import ToolCall
 from transport.messages.engine import ChatMessage, GenerationParams, OutputChunk, TokenLogprob
 from transport.messages.params import OutputConstraint
 
@@ -61,8 +63,7 @@ class Job:
     prompt: dict[str, Any]  # the prompt keywords of EngineClient.generate
     params: GenerationParams
     echo: bool = False  # completions: the prompt precedes the completion in the response
-    parses_tools: bool = False  # chat with tools: tool calls are parsed out of the text
-    calls_only: bool = False  # tool_choice required or named: the output is calls alone
+    policy: OutputPolicy = OutputPolicy()  # how its output splits into reasoning, content, calls
     constraint_param: str | None = None  # the field the output constraint came from
 
 
@@ -80,6 +81,7 @@ class ChoiceState:
     first_token_at: float | None = None
     last_token_at: float | None = None
     prompt_text: str = ""  # for echo
+    prompt_tail: str = ""  # the text the output continues (Accepted.prompt_tail)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_reason: str | int | None = None
     queue_time_s: float = -1.0
@@ -212,8 +214,7 @@ def _expand(
     n: int,
     params: GenerationParams,
     echo: bool = False,
-    parses_tools: bool = False,
-    calls_only: bool = False,
+    policy: OutputPolicy = OutputPolicy(),
     constraint_param: str | None = None,
 ) -> list[Job]:
     jobs = []
@@ -229,8 +230,7 @@ def _expand(
                     prompt=prompt,
                     params=seeded,
                     echo=echo,
-                    parses_tools=parses_tools,
-                    calls_only=calls_only,
+                    policy=policy,
                     constraint_param=constraint_param,
                 )
             )
@@ -305,7 +305,15 @@ def _check_session_turn(req: SamplingRequest, choices: int) -> None:
         raise ApiError(400, "a session turn is one prompt with n = 1", param="session_id")
 
 
-def chat_jobs(req: ChatCompletionRequest, context_len: int, defaults: dict[str, Any]) -> list[Job]:
+def chat_jobs(
+    req: ChatCompletionRequest,
+    context_len: int,
+    defaults: dict[str, Any],
+    *,
+    tool_format: str = "hermes",
+    reasoning: str = "",
+) -> list[Job]:
+    """The jobs of a chat request; `tool_format` and `reasoning` are the server's parsers."""
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     messages = [chat_message(m) for m in req.messages]
@@ -346,8 +354,11 @@ def chat_jobs(req: ChatCompletionRequest, context_len: int, defaults: dict[str, 
         [prompt],
         req.n or 1,
         params,
-        parses_tools=tool_mode != "none",
-        calls_only=tool_mode in ("required", "named"),
+        policy=OutputPolicy(
+            tool_format=tool_format if tool_mode != "none" else None,
+            calls_only=tool_mode in ("required", "named"),
+            reasoning=reasoning,
+        ),
         constraint_param=found[0] if found else ("tools" if constraint else None),
     )
 
@@ -456,7 +467,23 @@ def chat_logprobs(lps: list[TokenLogprob]) -> ChatLogprobs:
     )
 
 
-class CompletionRenderer:
+class OpenAIStreaming:
+    """How OpenAI's streams are framed: `data:` events, a usage chunk when asked for, and
+    `[DONE]` after the last chunk or after an `{"error": ...}` event."""
+
+    sse = staticmethod(sse_event)
+
+    def stream_end(self, states: list[ChoiceState], usage: Usage, include_usage: bool) -> bytes:
+        return (sse_event(self.usage_event(usage)) if include_usage else b"") + DONE_EVENT
+
+    def stream_error(self, error: ApiError) -> bytes:
+        return sse_event(ErrorBody(error=error.detail)) + DONE_EVENT
+
+    def usage_event(self, usage: Usage) -> Any:
+        raise NotImplementedError
+
+
+class CompletionRenderer(OpenAIStreaming):
     """Builds /v1/completions objects for one request."""
 
     def __init__(
@@ -537,7 +564,7 @@ class CompletionRenderer:
         )
 
 
-class ChatRenderer:
+class ChatRenderer(OpenAIStreaming):
     """Builds /v1/chat/completions objects for one request."""
 
     def __init__(
@@ -546,16 +573,14 @@ class ChatRenderer:
         want_logprobs: bool,
         *,
         request_id: str | None = None,
-        parse_tools: bool = False,
-        calls_only: bool = False,
+        policy: OutputPolicy = OutputPolicy(),
     ) -> None:
         self.id = new_id("chatcmpl", request_id)
         self.created = int(time.time())
         self.model = model
         self.want_logprobs = want_logprobs
-        self.parse_tools = parse_tools
-        self.calls_only = calls_only  # an unfinished call is never content (see the parser)
-        self._parsers: dict[int, ToolCallParser] = {}  # streaming, per choice
+        self.policy = policy
+        self._splitters: dict[int, OutputSplitter] = {}  # streaming, per choice
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -575,13 +600,37 @@ class ChatRenderer:
             return None
         lps = chat_logprobs(list(chunk.logprobs)) if self.want_logprobs else None
         finish = chunk.finish_reason
-        if self.parse_tools:
-            delta, finish = self._tool_delta(index, chunk.text, finish)
-            if delta is None and finish is None and lps is None:
-                return None
-            delta = delta or ChatDelta()
-        else:
-            delta = ChatDelta(content=chunk.text) if chunk.text else ChatDelta()
+        splitter = self._splitters.get(index)
+        if splitter is None:
+            splitter = self._splitters[index] = OutputSplitter(self.policy, state.prompt_tail)
+        parts = splitter.feed(chunk.text)
+        if finish is not None:
+            last = splitter.finish()
+            parts = Parts(
+                parts.reasoning + last.reasoning,
+                parts.content + last.content,
+                parts.calls + last.calls,
+            )
+            if splitter.calls and finish == "stop":
+                finish = "tool_calls"
+        if not parts and finish is None and lps is None:
+            return None
+        before = len(splitter.calls) - len(parts.calls)
+        deltas = [
+            ToolCallDelta(
+                index=before + k,
+                id=call.id,
+                type="function",
+                function=FunctionDelta(name=call.name, arguments=call.arguments),
+            )
+            for k, call in enumerate(parts.calls)
+        ]
+        delta = ChatDelta(
+            content=parts.content or None,
+            tool_calls=deltas or None,
+            reasoning_content=parts.reasoning or None,
+            reasoning=parts.reasoning or None,
+        )
         return self._chunk(
             ChatChunkChoice(
                 index=index,
@@ -591,32 +640,6 @@ class ChatRenderer:
                 stop_reason=state.stop_reason if finish else None,
             )
         )
-
-    def _tool_delta(
-        self, index: int, text: str, finish: str | None
-    ) -> tuple[ChatDelta | None, str | None]:
-        """The content and the calls a streamed chunk makes certain (calls are sent whole,
-        once their closing tag arrived); "tool_calls" ends a choice that made calls."""
-        parser = self._parsers.setdefault(index, ToolCallParser(self.calls_only))
-        before = len(parser.calls)
-        content, calls = parser.feed(text)
-        if finish is not None:
-            tail, cut = parser.finish()
-            content, calls = content + tail, calls + cut
-            if parser.calls and finish == "stop":
-                finish = "tool_calls"
-        deltas = [
-            ToolCallDelta(
-                index=before + k,
-                id=call.id,
-                type="function",
-                function=FunctionDelta(name=call.name, arguments=call.arguments),
-            )
-            for k, call in enumerate(calls)
-        ]
-        if not content and not deltas:
-            return None, finish
-        return ChatDelta(content=content or None, tool_calls=deltas or None), finish
 
     def usage_event(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -641,13 +664,22 @@ class ChatRenderer:
         )
 
     def _message_and_finish(self, state: ChoiceState) -> tuple[ChatMessageOut, str | None]:
-        """The choice's message (its tool calls parsed out, with tools) and finish reason:
-        "tool_calls" for one that stopped after making calls."""
-        if not self.parse_tools:
-            return ChatMessageOut(content=state.text), state.finish_reason
-        content, calls = parse_tool_calls(state.text, self.calls_only)
-        message = ChatMessageOut(content=content, tool_calls=[_call_out(c) for c in calls] or None)
-        finish = "tool_calls" if calls and state.finish_reason == "stop" else state.finish_reason
+        """The choice's message (reasoning and tool calls parsed out, when asked) and finish
+        reason: "tool_calls" for one that stopped after making calls."""
+        parts = split_whole(self.policy, state.text, state.prompt_tail)
+        content: str | None = parts.content
+        if (parts.calls or self.policy.calls_only) and not parts.content.strip():
+            content = None  # only calls were made (or, calls alone asked, none)
+        reasoning = parts.reasoning if self.policy.reasoning else None
+        message = ChatMessageOut(
+            content=content,
+            tool_calls=[_call_out(c) for c in parts.calls] or None,
+            reasoning_content=reasoning,
+            reasoning=reasoning,
+        )
+        finish = state.finish_reason
+        if parts.calls and finish == "stop":
+            finish = "tool_calls"
         return message, finish
 
 
@@ -657,4 +689,21 @@ def _call_out(call: ToolCall) -> ToolCallOut:
     )
 
 
-Renderer = CompletionRenderer | ChatRenderer
+class Renderer(Protocol):
+    """What the responder needs of an API's renderer (chat, completions, Responses,
+    Messages): its objects for one choice's start, each chunk and the whole answer, and how
+    its streams frame events, end and fail."""
+
+    def opening(self, index: int) -> Any | None: ...
+
+    def delta(
+        self, index: int, chunk: OutputChunk, text_offset: int, state: ChoiceState
+    ) -> Any | None: ...
+
+    def final(self, states: list[ChoiceState], usage: Usage) -> Any: ...
+
+    def sse(self, obj: Any) -> bytes: ...
+
+    def stream_end(self, states: list[ChoiceState], usage: Usage, include_usage: bool) -> bytes: ...
+
+    def stream_error(self, error: ApiError) -> bytes: ...

@@ -104,6 +104,9 @@ LATENCY_BUCKETS = (
 OUTCOME_SUCCESS = "success"  # finished normally (stop or length)
 OUTCOME_ERROR = "error"  # refused (4xx) or failed (5xx)
 OUTCOME_ABORTED = "aborted"  # the client left before the end
+# The `endpoint` label of generation requests, exported from the start (0 until used);
+# other routes get theirs when first counted.
+GENERATION_ENDPOINTS = ("completions", "chat_completions", "responses", "messages")
 
 
 def token_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -292,12 +295,15 @@ class GatewayMetrics:
             return Counter(name, text, m, registry=r).labels(model_name)
 
         self._requests = Counter(
-            f"{OWN}requests", "HTTP generation requests by outcome", [*m, "outcome"], registry=r
+            f"{OWN}requests",
+            "HTTP generation requests by endpoint and outcome",
+            [*m, "endpoint", "outcome"],
+            registry=r,
         )
         self._http_errors = Counter(
             f"{OWN}http_errors",
-            "Refused or failed requests by HTTP status",
-            [*m, "status"],
+            "Refused or failed requests by endpoint and HTTP status",
+            [*m, "endpoint", "status"],
             registry=r,
         )
         self._success = Counter(
@@ -339,21 +345,22 @@ class GatewayMetrics:
         # Every outcome is exported from the start (0 until it happens).
         self.requests: dict[str, int] = {}
         for outcome in (OUTCOME_SUCCESS, OUTCOME_ERROR, OUTCOME_ABORTED):
-            self._requests.labels(model_name, outcome)
+            for endpoint in GENERATION_ENDPOINTS:
+                self._requests.labels(model_name, endpoint, outcome)
             self.requests[outcome] = 0
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
 
-    def _count_request(self, outcome: str) -> None:
-        self._requests.labels(self.model_name, outcome).inc()
+    def _count_request(self, outcome: str, endpoint: str) -> None:
+        self._requests.labels(self.model_name, endpoint, outcome).inc()
         self.requests[outcome] += 1
 
-    def count_error(self, status: int) -> None:
-        self._count_request(OUTCOME_ERROR)
-        self._http_errors.labels(self.model_name, str(status)).inc()
+    def count_error(self, status: int, endpoint: str = "") -> None:
+        self._count_request(OUTCOME_ERROR, endpoint)
+        self._http_errors.labels(self.model_name, endpoint, str(status)).inc()
 
-    def count_aborted(self) -> None:
-        self._count_request(OUTCOME_ABORTED)
+    def count_aborted(self, endpoint: str = "") -> None:
+        self._count_request(OUTCOME_ABORTED, endpoint)
 
     def count_finished(
         self,
@@ -374,9 +381,9 @@ class GatewayMetrics:
         if queue_time_s >= 0:
             self.queue.observe(queue_time_s)
 
-    def count_success(self, latency_s: float) -> None:
+    def count_success(self, latency_s: float, endpoint: str = "") -> None:
         """One HTTP request whose every choice finished."""
-        self._count_request(OUTCOME_SUCCESS)
+        self._count_request(OUTCOME_SUCCESS, endpoint)
         self.e2e.observe(latency_s)
 
     def render(self, scheduler: SchedulerStats | None, kv: KvStats | None) -> bytes:

@@ -264,6 +264,10 @@ class ChatMessageOut(msgspec.Struct):
     role: str = "assistant"
     refusal: None = None
     tool_calls: list[ToolCallOut] | None = None
+    # With --reasoning-parser: the model's thinking, under both of vLLM's names (the older
+    # `reasoning_content` and the newer `reasoning`); null without a parser.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -300,6 +304,8 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None  # "assistant", in the first chunk of each choice only
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser, as ChatMessageOut
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -24,3 +24,8 @@ _encoder = msgspec.json.Encoder()
 def sse_event(payload: Any) -> bytes:
     """One `data:` event holding `payload` (a msgspec Struct or plain JSON value)."""
     return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+def named_sse_event(event: str, payload: Any) -> bytes:
+    """One `event: <name>` + `data:` event, as the Responses and Messages APIs stream."""
+    return b"event: " + event.encode() + b"\ndata: " + _encoder.encode(payload) + b"\n\n"

@@ -26,15 +26,14 @@ from actors.frontends.http.errors import (
     SERVER_ERROR,
     UNAVAILABLE,
     ApiError,
-    ErrorBody,
     from_generation_error,
 )
 from actors.frontends.http.generation import ChoiceState, Job, Renderer, usage_of
 from actors.frontends.http.metrics import GatewayMetrics
-from actors.frontends.http.sse import DONE_EVENT, SSE_HEADERS, sse_event
+from actors.frontends.http.sse import SSE_HEADERS
 from actors.runtime.logging import get_logger
 from transport.channel import ChannelClosed
-from transport.messages.engine import OutputChunk
+from transport.messages.engine import Accepted, OutputChunk
 
 SSE_KEEPALIVE_S = 5.0  # a streamed response with no event this long gets a comment line
 KEEPALIVE_EVENT = b": keep-alive\n\n"
@@ -51,6 +50,7 @@ class _Event:
     kind: int
     chunk: OutputChunk | None = None
     error: ApiError | None = None
+    accepted: Accepted | None = None
 
 
 @dataclass(slots=True)
@@ -59,6 +59,7 @@ class _Outcome:
     succeeded: bool = False  # ... and every choice finished
     disconnected: bool = False  # the client left before `completed`
     error: ApiError | None = None  # refused before the response started
+    endpoint: str = ""  # the metrics label of the route
 
 
 def _post(tx: MemoryObjectSendStream[_Event], event: _Event) -> None:
@@ -92,7 +93,7 @@ class GenerationResponder:
         for job, state in zip(jobs, states):
             if job.echo:
                 state.prompt_text = await self._prompt_text(job)
-        outcome = _Outcome()
+        outcome = _Outcome(endpoint=scope.get("kvactor.endpoint", ""))
         tx, rx = anyio.create_memory_object_stream[_Event](math.inf)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
@@ -106,6 +107,9 @@ class GenerationResponder:
                 event = await _next_event(rx)
                 if event.kind == _ACCEPTED:
                     accepted += 1
+                    if event.accepted is not None:
+                        states[event.index].prompt_tail = event.accepted.prompt_tail
+                        states[event.index].prompt_tokens = event.accepted.prompt_tokens
                 elif event.kind == _ERROR:
                     outcome.error = event.error
                 else:
@@ -119,11 +123,11 @@ class GenerationResponder:
                     await self._respond(send, rx, early, jobs, states, renderer, started, outcome)
             tg.cancel_scope.cancel()
         if outcome.disconnected:
-            self.metrics.count_aborted()
+            self.metrics.count_aborted(outcome.endpoint)
         elif outcome.error is not None:
             raise outcome.error
         elif outcome.succeeded:
-            self.metrics.count_success(time.perf_counter() - started)
+            self.metrics.count_success(time.perf_counter() - started, outcome.endpoint)
 
     async def _prompt_text(self, job: Job) -> str:
         if "prompt" in job.prompt:
@@ -142,7 +146,9 @@ class GenerationResponder:
                     job.params,
                     **job.prompt,
                     **session,
-                    on_accepted=lambda _: _post(tx, _Event(job.index, _ACCEPTED)),
+                    on_accepted=lambda acc: _post(
+                        tx, _Event(job.index, _ACCEPTED, accepted=_as_accepted(acc))
+                    ),
                 )
                 async with contextlib.aclosing(gen):
                     async for chunk in gen:
@@ -225,20 +231,24 @@ class GenerationResponder:
         out: list[bytes] = []
         remaining = len(jobs)
         try:
-            out += [sse_event(o) for job in jobs if (o := renderer.opening(job.index)) is not None]
-            remaining = await self._stream_events(
+            out += [
+                renderer.sse(o) for job in jobs if (o := renderer.opening(job.index)) is not None
+            ]
+            remaining, error = await self._stream_events(
                 send, rx, early, jobs, states, renderer, started, out
             )
-            if include_usage and not remaining:
-                out.append(sse_event(renderer.usage_event(usage_of(jobs, states))))
+            if error is not None:
+                out.append(renderer.stream_error(error))
+                self.metrics.count_error(error.status, outcome.endpoint)
+            else:
+                out.append(renderer.stream_end(states, usage_of(jobs, states), include_usage))
         except Exception as exc:
-            # Invariant: a stream that started always ends with an error event or its last
-            # chunk, then [DONE]; a failure here (a rendering bug) must not cut it silently.
+            # Invariant: a stream that started always ends with the API's error event or its
+            # last chunk; a failure here (a rendering bug) must not cut it silently.
             _log.error("stream failed after its response started", exc_info=exc)
             error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER_ERROR)
-            out.append(sse_event(ErrorBody(error=error.detail)))
-            self.metrics.count_error(error.status)
-        out.append(DONE_EVENT)
+            out.append(renderer.stream_error(error))
+            self.metrics.count_error(error.status, outcome.endpoint)
         outcome.completed = True
         outcome.succeeded = not remaining
         await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
@@ -253,9 +263,9 @@ class GenerationResponder:
         renderer: Renderer,
         started: float,
         out: list[bytes],
-    ) -> int:
-        """Stream chunks until every choice finished or one failed; how many did not finish.
-        Events not yet sent are left in `out`."""
+    ) -> tuple[int, ApiError | None]:
+        """Stream chunks until every choice finished or one failed: how many did not finish,
+        and the failure. Events not yet sent are left in `out`."""
         remaining = len(jobs)
         queue = list(early)
         while remaining:
@@ -282,18 +292,16 @@ class GenerationResponder:
             event = queue.pop(0)
             if event.kind == _ERROR:
                 assert event.error is not None
-                out.append(sse_event(ErrorBody(error=event.error.detail)))
-                self.metrics.count_error(event.error.status)
-                break
+                return remaining, event.error
             if event.kind != _CHUNK:
                 continue
             assert event.chunk is not None
             offset = self._record(event, states, started)
             delta = renderer.delta(event.index, event.chunk, offset, states[event.index])
             if delta is not None:
-                out.append(sse_event(delta))
+                out.append(renderer.sse(delta))
             remaining -= event.chunk.finish_reason is not None
-        return remaining
+        return remaining, None
 
 
 async def _next_event(rx: MemoryObjectReceiveStream[_Event]) -> _Event:
@@ -314,6 +322,10 @@ async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope, outcome:
                 outcome.disconnected = True
                 scope.cancel()
             return
+
+
+def _as_accepted(message: object) -> Accepted | None:
+    return message if isinstance(message, Accepted) else None
 
 
 def _named_error(exc: GenerationError, job: Job) -> ApiError:
