@@ -8,10 +8,17 @@ serve` (the HTTP gateway and, when asked, the ZeroMQ endpoint). With `engine.tra
 
 from __future__ import annotations
 
-from actors.app.config import EngineConfig
+import json
+from pathlib import Path
+
+from actors.app.config import ConfigError, EngineConfig
 from actors.app.model_info import generation_defaults, read_chat_template, served_names
 from actors.frontends.base import FrontendActor
 from actors.runtime import ActorSpec
+from actors.runtime.logging import get_logger
+from actors.tool_calls import resolve_tool_format
+
+_log = get_logger("specs")
 
 CORE_ACTORS = ("tokenizer", "scheduler", "allocator", "runner", "sessions")  # + "radix"
 
@@ -35,6 +42,64 @@ def sliding_window(cfg: EngineConfig) -> int:
 
     model = load_config(cfg.model.path or None)
     return int(model.sliding_window or 0) if model.sliding_layers else 0
+
+
+_TOOL_FORMATS: dict[tuple[str, str, str], str] = {}  # (parser, chat_template, model) -> name
+
+
+def tool_call_format(cfg: EngineConfig) -> str:
+    """The tool-call format the server speaks: `server.tool_call_parser`, or for "auto" the
+    one the chat template shows (Hermes when none does), decided once and logged. An
+    unknown name is a `ConfigError`."""
+    srv = cfg.server
+    key = (srv.tool_call_parser, srv.chat_template, cfg.model.path)
+    if key in _TOOL_FORMATS:
+        return _TOOL_FORMATS[key]
+    if srv.tool_call_parser == "auto":
+        template = read_chat_template(cfg) or model_chat_template(cfg.model.path)
+        name = resolve_tool_format("auto", template)
+        why = "from the chat template" if template else "no chat template found: the default"
+    else:
+        try:
+            name = resolve_tool_format(srv.tool_call_parser, None)
+        except ValueError as exc:
+            raise ConfigError(f"server.tool_call_parser: {exc}") from None
+        why = "as configured"
+    _log.info("tool_call_format", format=name, parser=srv.tool_call_parser, chosen=why)
+    _TOOL_FORMATS[key] = name
+    return name
+
+
+def model_chat_template(model_path: str) -> str | None:
+    """The model's own chat template, read from its files without loading the tokenizer:
+    a folder's chat_template.jinja or tokenizer_config.json, a GGUF's metadata; None for the
+    embedded model (Gemma 3 has no tool format) or when it cannot be read."""
+    if not model_path:
+        return None
+    path = Path(model_path).expanduser()
+    try:
+        if path.is_dir():
+            if (path / "chat_template.jinja").is_file():
+                return (path / "chat_template.jinja").read_text()
+            if (path / "tokenizer_config.json").is_file():
+                value = json.loads((path / "tokenizer_config.json").read_text()).get(
+                    "chat_template"
+                )
+                if isinstance(value, list):  # named templates: "default", else the first
+                    named = {t.get("name"): t.get("template") for t in value}
+                    value = named.get("default") or next(iter(named.values()), None)
+                return value if isinstance(value, str) else None
+            ggufs = sorted(path.glob("*.gguf"))
+            path = ggufs[0] if len(ggufs) == 1 else path
+        if path.is_file() and path.suffix == ".gguf":
+            from gguf import GGUFReader
+
+            field = GGUFReader(str(path)).fields.get("tokenizer.chat_template")
+            value = field.contents() if field is not None else None
+            return value if isinstance(value, str) else None
+    except (OSError, ValueError) as exc:
+        _log.warning("chat_template_unreadable", model=str(path), error=str(exc))
+    return None
 
 
 def core_actor_names(cfg: EngineConfig) -> list[str]:
@@ -124,7 +189,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 context_len=kv.context_len,
                 model=model_path,
                 chat_template=read_chat_template(cfg),
-                tool_call_parser=cfg.server.tool_call_parser,
+                tool_call_parser=tool_call_format(cfg),
                 max_in_flight=sch.max_running_requests + sch.max_waiting_requests,
                 grammar_compile_timeout_s=cfg.engine.grammar_compile_timeout_s,
                 grammar_max_bytes=cfg.engine.grammar_max_bytes,
@@ -173,7 +238,7 @@ def serving_specs(cfg: EngineConfig, zmq_address: str | None = None) -> list[Act
                 model_names=served_names(cfg),
                 context_len=cfg.kv.context_len,
                 generation_defaults=generation_defaults(cfg),
-                tool_call_parser=srv.tool_call_parser,
+                tool_call_parser=tool_call_format(cfg),
                 reasoning_parser=srv.reasoning_parser,
                 allowed_origins=srv.allowed_origins,
                 sse_keepalive_s=srv.sse_keepalive_s,

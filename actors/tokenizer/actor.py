@@ -43,7 +43,7 @@ from actors.tokenizer.validation import (
     check_prompt_source,
     fit_to_context,
 )
-from actors.tool_calls import prompt_messages, template_knows_tools
+from actors.tool_calls import resolve_tool_format, template_knows_tools, tool_format
 from kernels.grammar import ByteLRU
 from transport.channel import ChannelClosed
 from transport.messages.base import Message
@@ -181,6 +181,11 @@ class TokenizerActor(Actor):
         self.bundle = await anyio.to_thread.run_sync(load_tokenizer, self.model_path)
         self.vocab = self.bundle.vocab_size
         self.chat_template = self.chat_template_override or self.bundle.chat_template
+        # The format tool-call history is written in ("auto": the template's own; the serving
+        # engine resolves it once, before the actors start, and passes the name).
+        self.tool_format = tool_format(
+            resolve_tool_format(self.tool_call_parser, self.chat_template)
+        )
         # The longest token's text, for refusing oversized prompts before tokenizing them
         # (a token's text is at most its piece; a piece's ▁ prefix stands for one space).
         self.max_token_chars = max(
@@ -267,7 +272,7 @@ class TokenizerActor(Actor):
             )
         if tools or any(d["role"] == "tool" or d.get("tool_calls") for d in dicts):
             native = template_knows_tools(self.chat_template)
-            dicts, extra = prompt_messages(dicts, list(tools or []), native)
+            dicts, extra = self.tool_format.prompt_messages(dicts, list(tools or []), native)
             kwargs = {**kwargs, **extra}
 
         def render() -> str:

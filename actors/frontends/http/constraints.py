@@ -16,7 +16,13 @@ from typing import Any
 
 from actors.frontends.http.errors import ApiError, too_deep
 from actors.frontends.http.schemas import ChatCompletionRequest, SamplingRequest
-from actors.tool_calls import Tool, ToolSpecError, resolve_tool_choice, tool_constraint
+from actors.tool_calls import (
+    Tool,
+    ToolSpecError,
+    resolve_tool_choice,
+    resolve_tool_format,
+)
+from actors.tool_calls import tool_format as _format
 from transport.messages.params import OutputConstraint
 
 
@@ -107,14 +113,19 @@ def declared_tools(tools_in) -> list[Tool]:
     ]
 
 
-def tool_setup(req: ChatCompletionRequest) -> tuple[str, list[Tool], OutputConstraint | None]:
-    """(tool mode, every tool the template is told about, the calls' constraint)."""
+def tool_setup(
+    req: ChatCompletionRequest, tool_format: str = "hermes"
+) -> tuple[str, list[Tool], OutputConstraint | None]:
+    """(tool mode, every tool the template is told about, the calls' constraint in the
+    server's tool-call format; "auto" unresolved, with no template to go by, is Hermes)."""
     tools = declared_tools(req.tools)
     try:
         mode, callable_tools = resolve_tool_choice(tools, req.tool_choice)
     except ToolSpecError as exc:
         param = str(exc).split(":")[0]
         raise ApiError(400, str(exc), param=param) from None
-    spec = tool_constraint(mode, callable_tools, parallel=req.parallel_tool_calls is not False)
+    spec = _format(resolve_tool_format(tool_format, None)).constraint(
+        mode, callable_tools, parallel=req.parallel_tool_calls is not False
+    )
     constraint = None if spec is None else OutputConstraint(kind="structural_tag", spec=spec)
     return mode, (tools if mode != "none" else []), constraint
