@@ -70,6 +70,8 @@ class GatewayActor(FrontendActor):
         generation_defaults: dict | None = None,
         tool_call_parser: str = "auto",
         reasoning_parser: str = "",
+        responses_max_stored: int = 1024,
+        responses_ttl_s: float = 3600.0,
         allowed_origins: Sequence[str] = (),
         sse_keepalive_s: float = 5.0,
         stuck_after_s: float = 120.0,
@@ -83,6 +85,8 @@ class GatewayActor(FrontendActor):
         self.generation_defaults = dict(generation_defaults or {})
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        self.responses_max_stored = responses_max_stored
+        self.responses_ttl_s = responses_ttl_s
         self.allowed_origins = list(allowed_origins)
         self.sse_keepalive_s = sse_keepalive_s
         self.stuck_after_s = stuck_after_s
@@ -114,6 +118,8 @@ class GatewayActor(FrontendActor):
             generation_defaults=self.generation_defaults,
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
+            responses_max_stored=self.responses_max_stored,
+            responses_ttl_s=self.responses_ttl_s,
             allowed_origins=self.allowed_origins,
             keepalive_s=self.sse_keepalive_s,
             api_key=self.api_key,

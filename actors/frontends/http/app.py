@@ -134,6 +134,8 @@ class GatewayApp:
         keepalive_s: float = SSE_KEEPALIVE_S,
         body_timeout_s: float = BODY_TIMEOUT_S,
         accepting: Callable[[], bool] = lambda: True,
+        responses_max_stored: int = responses.MAX_STORED_RESPONSES,
+        responses_ttl_s: float = responses.STORED_RESPONSE_TTL_S,
     ) -> None:
         if not model_names:
             raise ValueError("the gateway needs at least one model name")
@@ -154,6 +156,7 @@ class GatewayApp:
         self.bodies = RequestBodies(max_body_bytes, body_timeout_s)
         self.responder = GenerationResponder(client, self.metrics, keepalive_s)
         self.accepting = accepting
+        self.responses = responses.ResponseStore(responses_max_stored, responses_ttl_s)
         self.created = int(time.time())
         self.routes = RouteTable(
             [
