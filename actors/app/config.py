@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from actors.reasoning import check_reasoning_parser
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "configs" / "default.toml"
 
@@ -217,6 +219,10 @@ class EngineConfig(_Section):
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        try:
+            check_reasoning_parser(self.server.reasoning_parser)
+        except ValueError as exc:
+            raise ConfigError(f"server.reasoning_parser: {exc}") from None
 
 
 ENV_PREFIX = "KVACTOR_"

@@ -47,6 +47,7 @@ from actors.frontends.http.schemas import (
     Usage,
 )
 from actors.frontends.http.sse import DONE_EVENT, sse_event
+from actors.reasoning import ReasoningConstraintError, reasoning_format, wrap_constraint
 from actors.tool_calls import ToolCall
 from transport.messages.engine import ChatMessage, GenerationParams, OutputChunk, TokenLogprob
 from transport.messages.params import OutputConstraint
@@ -317,7 +318,7 @@ def chat_jobs(
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     messages = [chat_message(m) for m in req.messages]
-    tool_mode, tools, constraint = tool_setup(req)
+    tool_mode, tools, constraint = tool_setup(req, tool_format)
     found = constraint_of(req)
     if found is not None:
         if constraint is not None:
@@ -327,6 +328,13 @@ def chat_jobs(
                 param=found[0],
             )
         constraint = found[1]
+    if reasoning and constraint is not None:
+        # The constraint applies once reasoning ends; the thinking before it is free.
+        try:
+            constraint = wrap_constraint(reasoning_format(reasoning), constraint)
+        except ReasoningConstraintError as exc:
+            param = found[0] if found else "tools"
+            raise ApiError(400, f"{param}: {exc}", param=param) from None
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
     )

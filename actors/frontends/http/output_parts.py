@@ -13,18 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.tool_calls import ToolCall, ToolCallParser
-
-try:
-    from actors.tool_calls import tool_format
-except ImportError:  # until the tool-format registry lands: Hermes only
-
-    class _Hermes:
-        def parser(self, calls_only: bool) -> ToolCallParser:
-            return ToolCallParser(calls_only)
-
-    def tool_format(name: str) -> _Hermes:  # type: ignore[misc]
-        return _Hermes()
+from actors.tool_calls import ToolCall, tool_format
 
 
 @dataclass(frozen=True)
