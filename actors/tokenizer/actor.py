@@ -180,6 +180,7 @@ class TokenizerActor(Actor):
 
         self.bundle = await anyio.to_thread.run_sync(load_tokenizer, self.model_path)
         self.vocab = self.bundle.vocab_size
+        self._eos_ids = frozenset(self.bundle.eos_ids)
         self.chat_template = self.chat_template_override or self.bundle.chat_template
         # The format tool-call history is written in ("auto": the template's own; the serving
         # engine resolves it once, before the actors start, and passes the name).
@@ -615,7 +616,13 @@ class TokenizerActor(Actor):
                 if finish:
                     self._close(rid, finish)
                 continue
-            delta = st.detok.push(toks) if toks else None
+            # The EOS token that ended a request is not text (as vLLM): with special tokens
+            # decoded it would otherwise show as `</s>` or `<eos>` at the end of the answer.
+            text_ids = toks
+            if finish == FinishReason.STOP and toks and toks[-1] in self._eos_ids:
+                if not st.params.ignore_eos:
+                    text_ids = toks[:-1]
+            delta = st.detok.push(text_ids) if text_ids else None
             text = delta.text if delta else ""
             st.completion_tokens += n
             reason = None

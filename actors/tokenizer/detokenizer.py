@@ -9,9 +9,11 @@ Guarantees of the emitted text (every `DetokDelta.text`, in order):
 
 * it never ends inside a UTF-8 character: a character spelled by several byte tokens
   (SentencePiece byte fallback `<0xF0><0x9F>...`, or byte-level BPE pieces) is held until complete;
-* with `hold_glyph_tail` (the default) it never ends inside an extended grapheme cluster either
-  (emoji ZWJ sequences, flags, a letter and its combining marks): the last cluster of the text is
-  held until the next character shows it is complete, or until the finish;
+* with `hold_glyph_tail` it never ends inside an extended grapheme cluster either (emoji ZWJ
+  sequences, flags, a letter and its combining marks): the last cluster of the text is held until
+  the next character shows it is complete, or until the finish. Off by default, and off in the
+  server: there a delta must be exactly the text of the tokens it comes with (their logprobs ride
+  in the same chunk, and clients check that they line up, as vLLM's tests do);
 * it never ends with a prefix of a stop string, so a stop split across tokens is never partly sent;
 * without a stop, the concatenation of all deltas equals `tokenizer.decode(output_ids)` when there
   is no prompt, and the output's part of `tokenizer.decode(prompt_ids + output_ids)` when there is
@@ -118,7 +120,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         stop_token_ids: Collection[int] = (),
         include_stop_str_in_output: bool = False,
-        hold_glyph_tail: bool = True,
+        hold_glyph_tail: bool = False,
     ) -> None:
         if isinstance(stop, str):
             raise TypeError("stop must be a sequence of strings, not a string")

@@ -255,3 +255,44 @@ def test_model_names_and_a_clipped_unknown_name(server):
     assert [m["id"] for m in models["data"]] == [MODEL_NAME]
     resp = post(server, "/v1/completions", {"model": "x" * 100_000, "prompt": "hi"})
     assert resp.status_code == 404 and len(resp.text) < 2000
+
+
+def test_streamed_chat_chunks_carry_exactly_their_tokens_text(client):
+    """A chunk's text is the text of the tokens whose logprobs it carries (vLLM's
+    test_chat_streaming checks this; a held-back last character broke it: "Boo" with the
+    logprob of "Book")."""
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Write a sentence about books and libraries."}],
+        max_tokens=24,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+    )
+    pieces = []
+    for chunk in stream:
+        if not chunk.choices or chunk.choices[0].logprobs is None:
+            continue
+        choice = chunk.choices[0]
+        tokens = "".join(lp.token for lp in choice.logprobs.content)
+        pieces.append((choice.delta.content or "", tokens))
+    assert len(pieces) >= 20
+    assert all(text == tokens for text, tokens in pieces), pieces
+
+
+def test_the_eos_that_ends_an_answer_is_not_text(client, tokenizer):
+    """With special tokens decoded (skip_special_tokens false, as tool formats whose markers
+    are special tokens need), the EOS that ended the answer is still not part of it."""
+    eos = tokenizer.tokenizer.token_to_id("<eos>")
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"min_tokens": 2, "logit_bias": {str(eos): 100}, "skip_special_tokens": False},
+    )
+    choice = out.choices[0]
+    # min_tokens keeps the first EOS from ending it (it is text, decoded); the second ends it
+    # and is not text.
+    assert choice.finish_reason == "stop" and out.usage.completion_tokens == 2
+    assert choice.text == "<eos>"

@@ -320,7 +320,7 @@ def test_garbage_bytes_do_not_stall_forever(tok: Tokenizer) -> None:
 def test_multi_token_glyph_is_never_split(tok: Tokenizer, glyph: str) -> None:
     text = f"Look: {glyph} ok"
     out = ids_of(tok, text)
-    detok = IncrementalDetokenizer(tok, None)
+    detok = IncrementalDetokenizer(tok, None, hold_glyph_tail=True)
     texts = [detok.push([i]).text for i in out] + [detok.flush().text]
     assert "".join(texts) == text
     assert any(glyph in t for t in texts), texts  # the glyph travels whole in one delta
@@ -332,7 +332,7 @@ def test_multi_token_glyph_is_never_split(tok: Tokenizer, glyph: str) -> None:
 
 
 def test_newline_releases_the_glyph_tail_at_once(tok: Tokenizer) -> None:
-    detok = IncrementalDetokenizer(tok, None)
+    detok = IncrementalDetokenizer(tok, None, hold_glyph_tail=True)
     assert detok.push(ids_of(tok, "Hello")).text == "Hell"  # 'o' could still take a mark
     assert detok.push(ids_of(tok, "\n")).text == "o\n"  # nothing extends a cluster after LF
 
@@ -391,13 +391,13 @@ def test_held_stop_prefix_is_released_when_it_cannot_match(tok: Tokenizer) -> No
 
 
 def test_flush_releases_held_text_and_can_complete_a_stop(tok: Tokenizer) -> None:
-    detok = IncrementalDetokenizer(tok, None, stop=["worldwide"])
+    detok = IncrementalDetokenizer(tok, None, stop=["worldwide"], hold_glyph_tail=True)
     assert joined([detok.push(ids_of(tok, "hello world"))]) == "hello "
     assert detok.flush() == DetokDelta("world", None)
     assert detok.output_text == "hello world" and detok.finished
     # A stop made of byte-fallback bytes still open at the finish is found by flush.
     out = ids_of(tok, "see ") + byte_ids(tok, "🧌".encode())
-    detok = IncrementalDetokenizer(tok, None, stop=["🧌"])
+    detok = IncrementalDetokenizer(tok, None, stop=["🧌"], hold_glyph_tail=True)
     assert joined([detok.push([i]) for i in out]) == "see"
     assert detok.flush() == DetokDelta(" ", "🧌")
 

@@ -49,6 +49,7 @@ from actors.frontends.http.schemas import (
 from actors.frontends.http.sse import DONE_EVENT, sse_event
 from actors.reasoning import ReasoningConstraintError, reasoning_format, wrap_constraint
 from actors.tool_calls import ToolCall
+from actors.tool_calls import tool_format as tool_format_of
 from transport.messages.engine import ChatMessage, GenerationParams, OutputChunk, TokenLogprob
 from transport.messages.params import OutputConstraint
 
@@ -347,6 +348,11 @@ def chat_jobs(
         top_logprobs=req.top_logprobs or 0,
         constraint=constraint,
     )
+    if tool_mode != "none" and req.skip_special_tokens is None:
+        if tool_format_of(tool_format).special_markers:
+            # The format's markers are special tokens (Mistral's [TOOL_CALLS]): the parser
+            # must see them, so they are decoded unless the request says otherwise.
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
     prompt = {
         "messages": messages,
         "add_generation_prompt": req.add_generation_prompt is not False,
@@ -365,6 +371,7 @@ def chat_jobs(
         policy=OutputPolicy(
             tool_format=tool_format if tool_mode != "none" else None,
             calls_only=tool_mode in ("required", "named"),
+            tools=tuple(tools),
             reasoning=reasoning,
         ),
         constraint_param=found[0] if found else ("tools" if constraint else None),

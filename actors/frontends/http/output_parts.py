@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.tool_calls import ToolCall, tool_format
+from actors.tool_calls import Tool, ToolCall, tool_format
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class OutputPolicy:
 
     tool_format: str | None = None  # the tool-call format's name; None: tools not parsed
     calls_only: bool = False  # tool_choice required or named: the output is calls alone
+    tools: tuple[Tool, ...] = ()  # the callable tools (a format may read values by schema)
     reasoning: str = ""  # the reasoning parser's name; "": no reasoning split
 
 
@@ -47,7 +48,7 @@ class OutputSplitter:
 
             self.reasoning = reasoning_format(policy.reasoning).splitter(prompt_tail)
         self.tools = (
-            tool_format(policy.tool_format).parser(policy.calls_only)
+            tool_format(policy.tool_format).parser(policy.calls_only, list(policy.tools))
             if policy.tool_format is not None
             else None
         )
