@@ -296,3 +296,25 @@ def test_the_eos_that_ends_an_answer_is_not_text(client, tokenizer):
     # and is not text.
     assert choice.finish_reason == "stop" and out.usage.completion_tokens == 2
     assert choice.text == "<eos>"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_offsets_point_at_their_tokens_in_the_text(client, tokenizer, stream):
+    """With echo and logprobs, text[text_offset[i]:][: len(tokens[i])] == tokens[i] for
+    every prompt and output token, special tokens (<bos>, <pad>) included."""
+    ids = tokenizer.encode(PROMPT)
+    pad = tokenizer.tokenizer.token_to_id("<pad>")
+    prompt = [ids[0], pad, *ids[1:]]
+    kwargs = dict(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0)
+    if stream:
+        text, tokens, offsets = "", [], []
+        for chunk in client.completions.create(**kwargs, echo=True, logprobs=1, stream=True):
+            if chunk.choices and chunk.choices[0].logprobs:
+                text += chunk.choices[0].text
+                tokens += chunk.choices[0].logprobs.tokens
+                offsets += chunk.choices[0].logprobs.text_offset
+    else:
+        choice = client.completions.create(**kwargs, echo=True, logprobs=1).choices[0]
+        text, tokens, offsets = choice.text, choice.logprobs.tokens, choice.logprobs.text_offset
+    assert "<pad>" in tokens and len(tokens) == len(prompt) + 4
+    assert [text[o : o + len(t)] for o, t in zip(offsets, tokens)] == tokens

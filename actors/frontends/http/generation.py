@@ -531,6 +531,10 @@ class CompletionRenderer(OpenAIStreaming):
         first: bool,
     ) -> CompletionChoice:
         if self.echo and first:
+            if self.want_logprobs and state.prompt_logprobs:
+                # The echoed prompt is its tokens' text, special tokens (<bos>, <pad>)
+                # included, so every `text_offset` points at its token in `text`.
+                state.prompt_text = "".join(lp.text for lp in state.prompt_logprobs)
             text = state.prompt_text + text
             lps = [*state.prompt_logprobs, *lps]
             offset = 0
