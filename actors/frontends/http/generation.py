@@ -83,6 +83,7 @@ class ChoiceState:
     first_token_at: float | None = None
     last_token_at: float | None = None
     prompt_text: str = ""  # for echo
+    prompt_was_ids: bool = False  # the prompt came as token ids (echo shows their text)
     prompt_tail: str = ""  # the text the output continues (Accepted.prompt_tail)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_reason: str | int | None = None
@@ -531,9 +532,9 @@ class CompletionRenderer(OpenAIStreaming):
         first: bool,
     ) -> CompletionChoice:
         if self.echo and first:
-            if self.want_logprobs and state.prompt_logprobs:
-                # The echoed prompt is its tokens' text, special tokens (<bos>, <pad>)
-                # included, so every `text_offset` points at its token in `text`.
+            if self.want_logprobs and state.prompt_logprobs and state.prompt_was_ids:
+                # A prompt of token ids is echoed as its tokens' text, special tokens (<bos>,
+                # <pad>) included, so every `text_offset` points at its token in `text`.
                 state.prompt_text = "".join(lp.text for lp in state.prompt_logprobs)
             text = state.prompt_text + text
             lps = [*state.prompt_logprobs, *lps]
