@@ -93,6 +93,7 @@ class GenerationResponder:
         for job, state in zip(jobs, states):
             if job.echo:
                 state.prompt_text = await self._prompt_text(job)
+                state.prompt_was_ids = "prompt_ids" in job.prompt
         outcome = _Outcome(endpoint=scope.get("kvactor.endpoint", ""))
         tx, rx = anyio.create_memory_object_stream[_Event](math.inf)
         async with anyio.create_task_group() as tg:
