@@ -250,6 +250,14 @@ def serving_specs(cfg: EngineConfig, zmq_address: str | None = None) -> list[Act
                 keepalive_timeout_s=srv.keepalive_timeout_s,
                 max_connections=srv.max_connections,
                 watched_actors=core_actor_names(cfg),
+                # vllm:cache_config_info's labels, valued as vLLM writes them ("16",
+                # "True"); the KV cache has the model's dtype ("auto" as vLLM's "auto")
+                cache_config={
+                    "block_size": str(cfg.kv.page_size),
+                    "num_gpu_blocks": str(cfg.kv.num_pages),
+                    "enable_prefix_caching": str(cfg.kv.radix),
+                    "cache_dtype": cfg.model.dtype,
+                },
             ),
             group="main",
         )

@@ -14,12 +14,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from actors.scheduler import policy
 from actors.scheduler.batch import PrefillWork, StepOutbox, forward_batch, sampled_tokens
 from actors.scheduler.policy import Chunk, NewTokenRatio, Policy, SchedulerLimits
 from actors.scheduler.request import Req
+from actors.scheduler.stats import StepTokenHistogram
 from transport.messages.alloc import ExtendGrantItem, KvStats, ReleaseItem, ReleaseKind, SlotDeltas
 from transport.messages.engine import FinishReason, NewRequest, SchedulerStats
 from transport.messages.runner import ForwardBatchMsg, StepResultMsg
@@ -39,6 +40,7 @@ class SchedulerCounters:
     pure_decode_steps: int = 0  # decode steps with no admission, finish or end
     pure_decode_messages: int = 0  # messages the scheduler sent during those steps
     runner_ms: float = 0.0  # the runner's own time in its steps (forward + sampling)
+    step_tokens: StepTokenHistogram = field(default_factory=StepTokenHistogram)  # per forward
 
 
 class SchedulerCore:
@@ -251,6 +253,7 @@ class SchedulerCore:
     # ---- the forward and its results -------------------------------------------------------
     def build_batch(self, decode: Sequence[Req], prefill: Sequence[PrefillWork]) -> ForwardBatchMsg:
         self.step_no += 1
+        self.counters.step_tokens.observe(len(decode) + sum(w.end - w.start for w in prefill))
         deltas, self.carry_deltas = self.carry_deltas, []
         unregister, self.unregister = self.unregister, []
         batch, new = forward_batch(self.step_no, decode, prefill, deltas, unregister)
@@ -319,4 +322,8 @@ class SchedulerCore:
             pure_decode_steps=c.pure_decode_steps,
             pure_decode_messages=c.pure_decode_messages,
             runner_busy_s=c.runner_ms / 1e3,
+            step_tokens_bounds=list(c.step_tokens.bounds),
+            step_tokens_buckets=c.step_tokens.cumulative(),
+            step_tokens_sum=c.step_tokens.sum,
+            step_tokens_count=c.step_tokens.count,
         )

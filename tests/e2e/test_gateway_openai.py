@@ -323,11 +323,21 @@ VLLM_SERIES = [
             "request_queue_time_seconds",
             "request_prompt_tokens",
             "request_generation_tokens",
+            "request_inference_time_seconds",
+            "request_prefill_time_seconds",
+            "request_decode_time_seconds",
+            "request_params_n",
+            "request_params_max_tokens",
+            "iteration_tokens_total",
         )
         for part in ("count", "sum")
     ),
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    # its labels in the order the exposition writes them (sorted)
+    f'vllm:cache_config_info{{block_size="{PAGE_SIZE}",cache_dtype="float32",'
+    f'enable_prefix_caching="True",num_gpu_blocks="{NUM_PAGES}"}}',
 ]
 SERIES = [
     *VLLM_SERIES,
@@ -377,6 +387,108 @@ def test_metrics_carry_every_series_and_process_metrics(client, server):
     assert 0 <= metrics["vllm:kv_cache_usage_perc"] <= 1
     assert metrics["vllm:prefix_cache_queries_total"] >= metrics["vllm:prefix_cache_hits_total"]
     assert metrics["vllm:prompt_tokens_total"] == metrics["vllm:prefix_cache_queries_total"]
+
+
+def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after[name] - before[name]
+
+
+def test_request_params_n_and_max_tokens(client, server):
+    """n once per prompt whose choices all finished; max_tokens once per choice (vLLM
+    observes it per finished engine request, and n > 1 is n engine requests)."""
+    before = scrape_metrics(server)
+    client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=5, n=2, temperature=1.0, seed=7
+    )
+    after = scrape_metrics(server)
+    assert _delta(before, after, "vllm:request_params_n_count") == 1
+    assert _delta(before, after, "vllm:request_params_n_sum") == 2
+    assert _delta(before, after, 'vllm:request_params_n_bucket{le="1.0"}') == 0
+    assert _delta(before, after, 'vllm:request_params_n_bucket{le="2.0"}') == 1
+    assert _delta(before, after, "vllm:request_params_max_tokens_count") == 2
+    assert _delta(before, after, "vllm:request_params_max_tokens_sum") == 10
+    assert _delta(before, after, 'vllm:request_params_max_tokens_bucket{le="5.0"}') == 2
+    assert _delta(before, after, 'vllm:request_params_max_tokens_bucket{le="2.0"}') == 0
+
+
+def test_request_prefill_decode_and_inference_times(client, server):
+    """prefill: admission to the first token (TTFT less the queue time); decode: first
+    token to last; inference: their sum. One request moves each by one observation."""
+    before = scrape_metrics(server)
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage.completion_tokens == 4
+    after = scrape_metrics(server)
+    d = {
+        phase: (
+            _delta(before, after, f"vllm:request_{phase}_time_seconds_count"),
+            _delta(before, after, f"vllm:request_{phase}_time_seconds_sum"),
+        )
+        for phase in ("prefill", "decode", "inference", "queue")
+    }
+    assert all(count == 1 for count, _ in d.values()), d
+    (_, prefill), (_, decode), (_, inference), (_, queue) = (
+        d[p] for p in ("prefill", "decode", "inference", "queue")
+    )
+    ttft = _delta(before, after, "vllm:time_to_first_token_seconds_sum")
+    e2e = _delta(before, after, "vllm:e2e_request_latency_seconds_sum")
+    assert prefill > 0 and decode > 0  # 4 tokens come in 4 steps
+    assert inference == pytest.approx(prefill + decode, abs=1e-6)
+    assert prefill == pytest.approx(ttft - queue, abs=1e-6)
+    assert queue + inference <= e2e + 1e-6
+
+
+def test_iteration_tokens_histogram_counts_every_step(client, server):
+    """vllm:iteration_tokens_total: one observation per engine step, of the prompt tokens
+    it prefilled plus one per decoding request."""
+    before = scrape_metrics(server)
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Iteration tokens: a prompt no other test sends, 7 8 9",
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage.completion_tokens == 3
+    after = scrape_metrics(server)
+    steps = _delta(before, after, "kvactor:scheduler_steps_total")
+    prefilled = _delta(before, after, "kvactor:scheduler_prompt_tokens_total")
+    assert steps >= 3 and prefilled > 1
+    assert _delta(before, after, "vllm:iteration_tokens_total_count") == steps
+    # the first token comes with the prompt's last chunk; the other two take a step each
+    assert _delta(before, after, "vllm:iteration_tokens_total_sum") == prefilled + 2
+    assert _delta(before, after, 'vllm:iteration_tokens_total_bucket{le="1.0"}') == 2
+    assert (
+        after['vllm:iteration_tokens_total_bucket{le="+Inf"}']
+        == (after["vllm:iteration_tokens_total_count"])
+    )
+    assert (
+        after['vllm:iteration_tokens_total_bucket{le="16384.0"}']
+        <= (after["vllm:iteration_tokens_total_count"])
+    )
+
+
+def test_num_preemptions_are_the_scheduler_retractions(server):
+    metrics = scrape_metrics(server)
+    assert metrics["vllm:num_preemptions_total"] == metrics["kvactor:scheduler_retractions_total"]
+
+
+def test_cache_config_info_names_the_kv_cache(server):
+    metrics = scrape_metrics(server)
+    [(key, value)] = [(k, v) for k, v in metrics.items() if k.startswith("vllm:cache_config_info")]
+    assert value == 1
+    labels = dict(part.split("=", 1) for part in key[key.index("{") + 1 : -1].split(","))
+    assert labels == {
+        "block_size": f'"{PAGE_SIZE}"',
+        "num_gpu_blocks": f'"{NUM_PAGES}"',
+        "enable_prefix_caching": '"True"',
+        "cache_dtype": '"float32"',  # the server's model.dtype
+    }
 
 
 def test_api_key_is_required(server):

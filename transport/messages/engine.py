@@ -198,3 +198,10 @@ class SchedulerStats(Message):
     pure_decode_steps: int = 0  # decode steps with no admission, finish or end
     pure_decode_messages: int = 0  # messages the scheduler sent during those steps
     runner_busy_s: float = 0.0  # the runner's time inside its steps (forward + sampling)
+    # Tokens per step (prefill + decode scheduled in one forward), as a histogram: of the
+    # `step_tokens_count` steps, `step_tokens_buckets[i]` had at most `step_tokens_bounds[i]`
+    # tokens (cumulative, as Prometheus' `le`); `step_tokens_sum` tokens in all.
+    step_tokens_bounds: list[int] = []
+    step_tokens_buckets: list[int] = []
+    step_tokens_sum: int = 0
+    step_tokens_count: int = 0

@@ -79,6 +79,7 @@ class GatewayActor(FrontendActor):
         body_timeout_s: float = 30.0,
         keepalive_timeout_s: float = 5.0,
         max_connections: int = 1024,
+        cache_config: dict[str, str] | None = None,  # vllm:cache_config_info's labels
     ) -> None:
         super().__init__(tokenizer)
         self.model_names = list(model_names)
@@ -103,7 +104,7 @@ class GatewayActor(FrontendActor):
         self.scheduler_name = scheduler
         self.allocator_name = allocator
         self.max_body_bytes = max_body_bytes
-        self.metrics = GatewayMetrics(self.model_name, context_len)
+        self.metrics = GatewayMetrics(self.model_name, context_len, cache_config)
         self.bound_port: int | None = None
         self._sock: socket.socket | None = None
         self._server: _EmbeddedServer | None = None

@@ -6,7 +6,9 @@ dashboard reads them unchanged (`configs/grafana-dashboard.json` is ours). kvact
 series (requests by HTTP outcome, KV pages by owner, records, rows, retractions, evictions,
 the idle check) are under `kvactor:`. One registry per gateway also carries the process
 collector (CPU, RSS, open fds). Engine figures come from the scheduler's and the allocator's
-stats, fetched by the `/metrics` handler right before each scrape (`EngineCollector`).
+stats, fetched by the `/metrics` handler right before each scrape (`EngineCollector`); the
+tokens-per-step histogram (`vllm:iteration_tokens_total`) is the scheduler's, its stats carry
+the bucket counts. Per-request series are observed here as each choice finishes.
 """
 
 from __future__ import annotations
@@ -17,12 +19,19 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from transport.messages.alloc import KvStats
 from transport.messages.engine import SchedulerStats
@@ -101,6 +110,9 @@ LATENCY_BUCKETS = (
     7680.0,
 )
 
+# vLLM's buckets of `vllm:request_params_n`.
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+
 OUTCOME_SUCCESS = "success"  # finished normally (stop or length)
 OUTCOME_ERROR = "error"  # refused (4xx) or failed (5xx)
 OUTCOME_ABORTED = "aborted"  # the client left before the end
@@ -159,6 +171,27 @@ class EngineCollector(Collector):
                 s.prefilling,
             )
             yield _counter(f"{OWN}scheduler_steps", "Engine steps", m, s.steps)
+            yield _counter(
+                f"{VLLM}num_preemptions",
+                "Cumulative number of preemption from the engine.",
+                m,
+                s.retractions,
+            )
+            if s.step_tokens_bounds:
+                steps = HistogramMetricFamily(
+                    f"{VLLM}iteration_tokens_total",
+                    "Histogram of number of tokens per engine_step.",
+                    labels=["model_name"],
+                )
+                steps.add_metric(
+                    [m],
+                    [
+                        *((_le(b), n) for b, n in zip(s.step_tokens_bounds, s.step_tokens_buckets)),
+                        ("+Inf", s.step_tokens_count),
+                    ],
+                    sum_value=s.step_tokens_sum,
+                )
+                yield steps
             yield _counter(
                 f"{OWN}scheduler_retractions",
                 "Requests retracted under KV pressure",
@@ -268,6 +301,10 @@ class EngineCollector(Collector):
             )
 
 
+def _le(bound: float) -> str:
+    return floatToGoString(bound)  # as prometheus_client's Histogram writes bounds: "8.0"
+
+
 def _gauge(name: str, help_text: str, model_name: str, value: float) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, help_text, labels=["model_name"])
     family.add_metric([model_name], value)
@@ -283,8 +320,17 @@ def _counter(name: str, help_text: str, model_name: str, value: float) -> Counte
 class GatewayMetrics:
     """The gateway's registry; the app counts into it, `/metrics` renders it."""
 
-    def __init__(self, model_name: str = "", max_model_len: int = 4096) -> None:
+    def __init__(
+        self,
+        model_name: str = "",
+        max_model_len: int = 4096,
+        cache_config: dict[str, str] | None = None,
+    ) -> None:
+        """`cache_config`: the KV cache's settings under vLLM's label names (`block_size`,
+        `num_gpu_blocks`, `enable_prefix_caching`, `cache_dtype`), exported as the labels
+        of `vllm:cache_config_info` (not exported without it)."""
         self.model_name = model_name
+        self.max_model_len = max_model_len
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
 
@@ -332,6 +378,21 @@ class GatewayMetrics:
         self.queue = hist(
             f"{VLLM}request_queue_time_seconds", "Time waiting for admission", LATENCY_BUCKETS
         )
+        self._inference_time = hist(
+            f"{VLLM}request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self._prefill_time = hist(
+            f"{VLLM}request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self._decode_time = hist(
+            f"{VLLM}request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            LATENCY_BUCKETS,
+        )
         buckets = token_buckets(max_model_len)
         self._prompt_len = hist(
             f"{VLLM}request_prompt_tokens", "Prompt tokens per request", buckets
@@ -339,6 +400,22 @@ class GatewayMetrics:
         self._generation_len = hist(
             f"{VLLM}request_generation_tokens", "Generated tokens per request", buckets
         )
+        self._params_n = hist(
+            f"{VLLM}request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+        )
+        self._params_max_tokens = hist(
+            f"{VLLM}request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            buckets,
+        )
+        if cache_config:
+            info = Gauge(
+                f"{VLLM}cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                [*m, *cache_config],
+                registry=r,
+            )
+            info.labels(model_name, *cache_config.values()).set(1)
         self.engine = EngineCollector(model_name)
         r.register(self.engine)
         ProcessCollector(registry=r)
@@ -369,8 +446,15 @@ class GatewayMetrics:
         completion_tokens: int,
         cached_tokens: int,
         queue_time_s: float = -1.0,
+        *,
+        max_tokens: int = 0,
+        prefill_s: float = -1.0,
+        decode_s: float = -1.0,
     ) -> None:
-        """One engine request (one choice) that ran to its end."""
+        """One engine request (one choice) that ran to its end. `max_tokens`: its params'
+        (0: unknown), capped here at the room its prompt leaves in the context, as the
+        tokenizer caps it; `prefill_s` (admission to first token) and `decode_s` (first
+        token to last): negative when it produced no token."""
         self._success.labels(self.model_name, str(finish_reason)).inc()
         self._prompt_tokens.inc(prompt_tokens)
         self._generation_tokens.inc(completion_tokens)
@@ -380,6 +464,17 @@ class GatewayMetrics:
         self._generation_len.observe(completion_tokens)
         if queue_time_s >= 0:
             self.queue.observe(queue_time_s)
+        if max_tokens > 0:
+            room = self.max_model_len - prompt_tokens
+            self._params_max_tokens.observe(min(max_tokens, room) if room > 0 else max_tokens)
+        if prefill_s >= 0 and decode_s >= 0:
+            self._prefill_time.observe(prefill_s)
+            self._decode_time.observe(decode_s)
+            self._inference_time.observe(prefill_s + decode_s)
+
+    def count_params_n(self, n: int) -> None:
+        """One prompt whose `n` choices all finished (vLLM observes n once per parent)."""
+        self._params_n.observe(n)
 
     def count_success(self, latency_s: float, endpoint: str = "") -> None:
         """One HTTP request whose every choice finished."""

@@ -167,11 +167,14 @@ class GenerationResponder:
                 )
                 _post(tx, _Event(job.index, _ERROR, error=error))
 
-    def _record(self, event: _Event, states: list[ChoiceState], started: float) -> int:
+    def _record(
+        self, event: _Event, jobs: list[Job], states: list[ChoiceState], started: float
+    ) -> int:
         """Fold a chunk into its choice's state and metrics; returns its text offset."""
         chunk = event.chunk
         assert chunk is not None
         state = states[event.index]
+        job = jobs[event.index]
         if chunk.token_ids:
             now = time.perf_counter()
             if state.first_token_at is None:
@@ -182,13 +185,26 @@ class GenerationResponder:
             state.last_token_at = now
         offset = state.add(chunk)
         if chunk.finish_reason is not None:
+            # prefill: from admission (the request's start plus its time in the queue) to
+            # the first token; decode: from the first token to the last
+            prefill_s = decode_s = -1.0
+            if state.first_token_at is not None:
+                admitted = started + max(state.queue_time_s, 0.0)
+                prefill_s = max(state.first_token_at - admitted, 0.0)
+                decode_s = (state.last_token_at or state.first_token_at) - state.first_token_at
             self.metrics.count_finished(
                 chunk.finish_reason,
                 chunk.prompt_tokens,
                 chunk.completion_tokens,
                 chunk.cached_tokens,
                 state.queue_time_s,
+                max_tokens=job.params.max_tokens,
+                prefill_s=prefill_s,
+                decode_s=decode_s,
             )
+            siblings = [s for j, s in zip(jobs, states) if j.prompt_index == job.prompt_index]
+            if all(s.finish_reason is not None for s in siblings):
+                self.metrics.count_params_n(len(siblings))
         return offset
 
     async def _respond(
@@ -210,7 +226,7 @@ class GenerationResponder:
                 outcome.error = event.error
                 return
             if event.kind == _CHUNK:
-                self._record(event, states, started)
+                self._record(event, jobs, states, started)
                 remaining -= event.chunk.finish_reason is not None
         body = _json.encode(renderer.final(states, usage_of(jobs, states)))
         outcome.completed = outcome.succeeded = True
@@ -297,7 +313,7 @@ class GenerationResponder:
             if event.kind != _CHUNK:
                 continue
             assert event.chunk is not None
-            offset = self._record(event, states, started)
+            offset = self._record(event, jobs, states, started)
             delta = renderer.delta(event.index, event.chunk, offset, states[event.index])
             if delta is not None:
                 out.append(renderer.sse(delta))
