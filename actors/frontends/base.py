@@ -43,6 +43,8 @@ from transport.messages.engine import (
     StopAccepting,
     TokenizeReply,
     TokenizeRequest,
+    TokenizerInfo,
+    TokenizerInfoRequest,
 )
 from transport.messages.sessions import CloseSession, GetSession, OpenSession, SessionInfo
 
@@ -286,6 +288,13 @@ class EngineClient:
         """Token ids of a prompt or of chat messages (TokenizeRequest's fields)."""
         try:
             return await self.tokenizer.call(TokenizeRequest(**request), expect=TokenizeReply)
+        except RemoteError as exc:
+            raise GenerationError(exc.reply.code, exc.reply.message) from None
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        """The served tokenizer's facts and chat template (vLLM's /tokenizer_info)."""
+        try:
+            return await self.tokenizer.call(TokenizerInfoRequest(), expect=TokenizerInfo)
         except RemoteError as exc:
             raise GenerationError(exc.reply.code, exc.reply.message) from None
 

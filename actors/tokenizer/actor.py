@@ -64,6 +64,8 @@ from transport.messages.engine import (
     TokenBatch,
     TokenizeReply,
     TokenizeRequest,
+    TokenizerInfo,
+    TokenizerInfoRequest,
     TokenLogprob,
 )
 from transport.messages.runner import GrammarLoaded, LoadGrammar
@@ -132,7 +134,14 @@ RUNNER_FAILED_TEXT = "the model runner failed while running this request; retry 
 
 
 class TokenizerActor(Actor):
-    inbox = GenerateRequest | AbortGeneration | TokenBatch | TokenizeRequest | DetokenizeRequest
+    inbox = (
+        GenerateRequest
+        | AbortGeneration
+        | TokenBatch
+        | TokenizeRequest
+        | DetokenizeRequest
+        | TokenizerInfoRequest
+    )
 
     def __init__(
         self,
@@ -221,6 +230,8 @@ class TokenizerActor(Actor):
             except BadRequest as exc:
                 return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
             return DetokenizeReply(prompt=self.bundle.tokenizer.decode(msg.tokens))
+        if isinstance(msg, TokenizerInfoRequest):
+            return self._info()
         if isinstance(msg, AbortGeneration):
             for c in msg.client_rids:
                 if c in self._pending:
@@ -343,6 +354,24 @@ class TokenizerActor(Actor):
         if msg.return_token_strs:  # the vocabulary's pieces, as vLLM's convert_ids_to_tokens
             strs = [self.bundle.tokenizer.id_to_token(t) or "" for t in ids]
         return TokenizeReply(tokens=ids, token_strs=strs, max_model_len=self.context_len)
+
+    def _info(self) -> TokenizerInfo:
+        b = self.bundle
+        added = b.tokenizer.get_added_tokens_decoder()
+        pad = b.tokenizer.id_to_token(b.pad_id) if b.pad_id is not None else None
+        return TokenizerInfo(
+            tokenizer_class="PreTrainedTokenizerFast",  # what transformers loads it as
+            model_max_length=self.context_len,
+            vocab_size=b.vocab_size,
+            bos_token=b.bos_token,
+            eos_token=b.eos_token,
+            pad_token=pad,
+            add_bos_token=b.add_bos,
+            chat_template=self.chat_template,
+            added_tokens_decoder={
+                str(i): {"content": t.content, "special": t.special} for i, t in added.items()
+            },
+        )
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # Long texts are encoded off the event loop so the scheduler and the gateway,

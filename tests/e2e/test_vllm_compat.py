@@ -318,3 +318,113 @@ def test_echo_offsets_point_at_their_tokens_in_the_text(client, tokenizer, strea
         text, tokens, offsets = choice.text, choice.logprobs.tokens, choice.logprobs.text_offset
     assert "<pad>" in tokens and len(tokens) == len(prompt) + 4
     assert [text[o : o + len(t)] for o, t in zip(offsets, tokens)] == tokens
+
+
+def test_return_token_ids_completions_and_chat(client, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    choice = out.choices[0].model_dump()
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 4
+    assert tokenizer.tokenizer.decode(choice["token_ids"]) == out.choices[0].text
+
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    prompt_ids = chat.model_dump()["prompt_token_ids"]
+    assert len(prompt_ids) == chat.usage.prompt_tokens
+    assert len(chat.choices[0].model_dump()["token_ids"]) == 3
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
+    )
+    dumps = [c.model_dump() for c in streamed]
+    assert [d.get("prompt_token_ids") for d in dumps if d.get("prompt_token_ids")] == [prompt_ids]
+    tokens = [t for d in dumps for c in d["choices"] for t in c.get("token_ids") or []]
+    assert tokens == chat.choices[0].model_dump()["token_ids"]
+
+
+def test_return_tokens_as_token_ids(client):
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+    )
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in out.choices[0].model_dump()["token_ids"]]
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs for k in top)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.token.startswith("token_id:")
+        assert all(t.token.startswith("token_id:") for t in entry.top_logprobs)
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    with_text = [c for c in chunks if c.choices]
+    counts = [c.usage.completion_tokens for c in with_text]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in with_text)
+    assert chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices
+
+
+def test_prompt_logprobs_on_chat(client, server):
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 1,
+        "prompt_logprobs": 1,
+    }
+    resp = post(server, "/v1/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    plp = resp.json()["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == resp.json()["usage"]["prompt_tokens"]
+    assert all(isinstance(e, dict) and e for e in plp[1:])
+    refused = post(server, "/v1/chat/completions", {**body, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_tokenizer_info(server, tokenizer):
+    resp = httpx.get(f"{server.base_url}/tokenizer_info", headers=server.auth)
+    assert resp.status_code == 200, resp.text
+    info = resp.json()
+    assert info["bos_token"] == "<bos>" and info["eos_token"] == tokenizer.eos_token
+    assert info["vocab_size"] == tokenizer.vocab_size and "start_of_turn" in info["chat_template"]
+    assert info["added_tokens_decoder"][str(tokenizer.bos_id)]["content"] == "<bos>"
+    # It shows the chat template: behind the API key, as /v1 is.
+    assert httpx.get(f"{server.base_url}/tokenizer_info").status_code == 401

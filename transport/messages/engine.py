@@ -73,6 +73,23 @@ class DetokenizeReply(Message):
     prompt: str
 
 
+class TokenizerInfoRequest(Message):
+    """Call to the tokenizer (vLLM's /tokenizer_info): what a client needs to tokenize and
+    render chats as the server does."""
+
+
+class TokenizerInfo(Message):
+    tokenizer_class: str
+    model_max_length: int
+    vocab_size: int
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    add_bos_token: bool
+    chat_template: str | None
+    added_tokens_decoder: dict[str, dict[str, Any]]  # id -> {"content", "special"}
+
+
 class Accepted(Message):
     client_rid: str
     rid: int

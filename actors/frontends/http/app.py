@@ -44,6 +44,7 @@ from actors.frontends.http.errors import (
 from actors.frontends.http.generation import (
     ChatRenderer,
     CompletionRenderer,
+    Extras,
     chat_jobs,
     chat_message,
     check_model,
@@ -94,6 +95,7 @@ class Route:
     api: str = "openai"
     gen: bool = False
     prefix: bool = False
+    auth: bool = False  # needs the API key (every /v1/ route does)
 
 
 class RouteTable:
@@ -197,6 +199,9 @@ class GatewayApp:
                 Route("/tokenize", {"POST": self._tokenize}, "tokenize"),
                 Route("/detokenize", {"POST": self._detokenize}, "detokenize"),
                 Route("/version", {"GET": self._version}, "version"),
+                Route(
+                    "/tokenizer_info", {"GET": self._tokenizer_info}, "tokenizer_info", auth=True
+                ),
             ]
         )
 
@@ -250,7 +255,7 @@ class GatewayApp:
                 code="method_not_allowed",
                 headers=[(b"allow", ", ".join(methods).encode())],
             )
-        if path.startswith("/v1/"):
+        if route.auth or path.startswith("/v1/"):
             # The key a request authorized with owns the sessions it opens (below).
             scope["kvactor.api_key"] = self._authorize(scope)
         if route.gen and method == "POST" and not self.accepting():
@@ -336,7 +341,7 @@ class GatewayApp:
             req.logprobs is not None,
             request_id=scope["kvactor.request_id"],
             echo=bool(req.echo),
-            prompt_logprobs=req.prompt_logprobs is not None,
+            extras=Extras.of(req, _continuous_usage(req)),
         )
         await self.responder.run(
             scope, receive, send, jobs, renderer, bool(req.stream), include_usage
@@ -360,6 +365,7 @@ class GatewayApp:
             bool(req.logprobs),
             request_id=scope["kvactor.request_id"],
             policy=jobs[0].policy,
+            extras=Extras.of(req, _continuous_usage(req)),
         )
         await self.responder.run(
             scope, receive, send, jobs, renderer, bool(req.stream), include_usage
@@ -469,6 +475,14 @@ class GatewayApp:
         )
         await send_response(send, 200, _json.encode(body))
 
+    async def _tokenizer_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's /tokenizer_info (behind the API key: it shows the chat template)."""
+        try:
+            info = await self.client.tokenizer_info()
+        except GenerationError as exc:
+            raise from_generation_error(exc) from None
+        await send_response(send, 200, _json.encode(info))
+
     async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_response(send, 200, _json.encode({"version": KVACTOR_VERSION}))
 
@@ -504,3 +518,10 @@ def _include_usage(req: SamplingRequest) -> bool:
             400, "stream_options is only allowed when stream is true", param="stream_options"
         )
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+def _continuous_usage(req: SamplingRequest) -> bool:
+    """vLLM's continuous_usage_stats: every chunk carries the usage so far (with
+    include_usage, as vLLM requires)."""
+    opts = req.stream_options
+    return bool(req.stream and opts and opts.include_usage and opts.continuous_usage_stats)

@@ -67,6 +67,26 @@ class Job:
     echo: bool = False  # completions: the prompt precedes the completion in the response
     policy: OutputPolicy = OutputPolicy()  # how its output splits into reasoning, content, calls
     constraint_param: str | None = None  # the field the output constraint came from
+    wants_prompt_ids: bool = False  # vLLM's return_token_ids: the prompt's ids are shown
+
+
+@dataclass(frozen=True)
+class Extras:
+    """vLLM's additions to a response, as a request asks for them."""
+
+    token_ids: bool = False  # return_token_ids: prompt and output token ids
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name "token_id:<id>"
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    prompt_logprobs: bool = False  # the prompt's logprobs (vLLM's `prompt_logprobs`)
+
+    @classmethod
+    def of(cls, req: SamplingRequest, continuous_usage: bool = False) -> Extras:
+        return cls(
+            token_ids=bool(req.return_token_ids),
+            tokens_as_ids=bool(req.return_tokens_as_token_ids),
+            continuous_usage=continuous_usage,
+            prompt_logprobs=getattr(req, "prompt_logprobs", None) is not None,
+        )
 
 
 @dataclass
@@ -84,6 +104,8 @@ class ChoiceState:
     last_token_at: float | None = None
     prompt_text: str = ""  # for echo
     prompt_was_ids: bool = False  # the prompt came as token ids (echo shows their text)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] = field(default_factory=list)  # the output's, so far
     prompt_tail: str = ""  # the text the output continues (Accepted.prompt_tail)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_reason: str | int | None = None
@@ -97,6 +119,7 @@ class ChoiceState:
             self.texts.append(chunk.text)
             self.text_len += len(chunk.text)
         self.logprobs.extend(chunk.logprobs)
+        self.token_ids.extend(chunk.token_ids)
         self.prompt_logprobs.extend(chunk.prompt_logprobs)
         self.prompt_tokens = chunk.prompt_tokens
         self.completion_tokens = chunk.completion_tokens
@@ -219,6 +242,7 @@ def _expand(
     echo: bool = False,
     policy: OutputPolicy = OutputPolicy(),
     constraint_param: str | None = None,
+    wants_prompt_ids: bool = False,
 ) -> list[Job]:
     jobs = []
     for p_index, prompt in enumerate(prompts):
@@ -235,6 +259,7 @@ def _expand(
                     echo=echo,
                     policy=policy,
                     constraint_param=constraint_param,
+                    wants_prompt_ids=wants_prompt_ids,
                 )
             )
     return jobs
@@ -299,7 +324,12 @@ def completion_jobs(req: CompletionRequest, defaults: dict[str, Any]) -> list[Jo
         _check_session_turn(req, len(prompts) * n)
         prompts = [{**prompts[0], "session_id": req.session_id}]
     return _expand(
-        prompts, n, params, echo=bool(req.echo), constraint_param=found[0] if found else None
+        prompts,
+        n,
+        params,
+        echo=bool(req.echo),
+        constraint_param=found[0] if found else None,
+        wants_prompt_ids=bool(req.return_token_ids),
     )
 
 
@@ -319,6 +349,10 @@ def chat_jobs(
     """The jobs of a chat request; `tool_format` and `reasoning` are the server's parsers."""
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise ApiError(
+            400, "prompt_logprobs: not available when streaming", param="prompt_logprobs"
+        )
     messages = [chat_message(m) for m in req.messages]
     tool_mode, tools, constraint = tool_setup(req, tool_format)
     found = constraint_of(req)
@@ -347,6 +381,7 @@ def chat_jobs(
         max_tokens=max_tokens,
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,
+        prompt_logprobs=req.prompt_logprobs,
         constraint=constraint,
     )
     if tool_mode != "none" and req.skip_special_tokens is None:
@@ -376,6 +411,7 @@ def chat_jobs(
             reasoning=reasoning,
         ),
         constraint_param=found[0] if found else ("tools" if constraint else None),
+        wants_prompt_ids=bool(req.return_token_ids),
     )
 
 
@@ -424,28 +460,36 @@ def usage_of(jobs: list[Job], states: list[ChoiceState]) -> Usage:
     )
 
 
-def completion_logprobs(lps: list[TokenLogprob], start_offset: int) -> CompletionLogprobs:
+def _name(token_id: int, text: str, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def completion_logprobs(
+    lps: list[TokenLogprob], start_offset: int, as_ids: bool = False
+) -> CompletionLogprobs:
     """OpenAI's legacy logprobs shape; the first prompt token (echo) has null entries. Each
     `top_logprobs` entry holds the `logprobs` best tokens and, as OpenAI's does, the chosen
-    (or echoed) token itself, so `logprobs=0` gives that token alone."""
+    (or echoed) token itself, so `logprobs=0` gives that token alone. Offsets count text,
+    whatever the tokens are named."""
     offsets = []
     pos = start_offset
     for lp in lps:
         offsets.append(pos)
         pos += len(lp.text)
     return CompletionLogprobs(
-        tokens=[lp.text for lp in lps],
+        tokens=[_name(lp.token_id, lp.text, as_ids) for lp in lps],
         token_logprobs=[lp.logprob for lp in lps],
-        top_logprobs=[_top_with_chosen(lp) for lp in lps],
+        top_logprobs=[_top_with_chosen(lp, as_ids) for lp in lps],
         text_offset=offsets,
     )
 
 
-def _top_with_chosen(lp: TokenLogprob) -> dict[str, float] | None:
+def _top_with_chosen(lp: TokenLogprob, as_ids: bool = False) -> dict[str, float] | None:
     if lp.logprob is None:
         return None
-    top = {text: value for _, text, value in lp.top}
-    top.setdefault(lp.text, lp.logprob)
+    top = {_name(tid, text, as_ids): value for tid, text, value in lp.top}
+    top.setdefault(_name(lp.token_id, lp.text, as_ids), lp.logprob)
     return top
 
 
@@ -466,20 +510,32 @@ def vllm_prompt_logprobs(lps: list[TokenLogprob]) -> list[dict[str, dict] | None
     return out
 
 
-def chat_logprobs(lps: list[TokenLogprob]) -> ChatLogprobs:
+def chat_logprobs(lps: list[TokenLogprob], as_ids: bool = False) -> ChatLogprobs:
     return ChatLogprobs(
         content=[
             ChatLogprob(
-                token=lp.text,
+                token=_name(lp.token_id, lp.text, as_ids),
                 logprob=lp.logprob,
                 bytes=list(lp.text.encode()),
                 top_logprobs=[
-                    TopLogprob(token=text, logprob=value, bytes=list(text.encode()))
-                    for _, text, value in lp.top
+                    TopLogprob(
+                        token=_name(tid, text, as_ids), logprob=value, bytes=list(text.encode())
+                    )
+                    for tid, text, value in lp.top
                 ],
             )
             for lp in lps
         ]
+    )
+
+
+def usage_so_far(state: ChoiceState) -> Usage:
+    """One choice's usage as of its latest chunk (continuous_usage_stats)."""
+    return Usage(
+        prompt_tokens=state.prompt_tokens,
+        completion_tokens=state.completion_tokens,
+        total_tokens=state.prompt_tokens + state.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=state.cached_tokens),
     )
 
 
@@ -509,14 +565,14 @@ class CompletionRenderer(OpenAIStreaming):
         *,
         request_id: str | None = None,
         echo: bool = False,
-        prompt_logprobs: bool = False,
+        extras: Extras = Extras(),
     ) -> None:
         self.id = new_id("cmpl", request_id)
         self.created = int(time.time())
         self.model = model
         self.want_logprobs = want_logprobs
         self.echo = echo
-        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field
+        self.extras = extras
 
     def opening(self, index: int) -> Completion | None:
         return None
@@ -530,6 +586,7 @@ class CompletionRenderer(OpenAIStreaming):
         offset: int,
         finish: str | None,
         first: bool,
+        token_ids: list[int],
     ) -> CompletionChoice:
         if self.echo and first:
             if self.want_logprobs and state.prompt_logprobs and state.prompt_was_ids:
@@ -541,15 +598,20 @@ class CompletionRenderer(OpenAIStreaming):
             offset = 0
         elif self.echo:
             offset += len(state.prompt_text)
+        extras = self.extras
         return CompletionChoice(
             index=index,
             text=text,
-            logprobs=completion_logprobs(lps, offset) if self.want_logprobs else None,
+            logprobs=completion_logprobs(lps, offset, extras.tokens_as_ids)
+            if self.want_logprobs
+            else None,
             finish_reason=finish,
             stop_reason=state.stop_reason if finish else None,
             prompt_logprobs=vllm_prompt_logprobs(state.prompt_logprobs)
-            if self.prompt_logprobs and first
+            if extras.prompt_logprobs and first
             else None,
+            prompt_token_ids=state.prompt_token_ids if extras.token_ids and first else None,
+            token_ids=token_ids if extras.token_ids else None,
         )
 
     def delta(
@@ -560,14 +622,24 @@ class CompletionRenderer(OpenAIStreaming):
             not chunk.text
             and chunk.finish_reason is None
             and not chunk.logprobs
-            and not (first and (self.echo or self.prompt_logprobs))
+            and not (first and (self.echo or self.extras.prompt_logprobs))
         ):
             return None
         state.echoed = True
         choice = self._choice(
-            index, state, chunk.text, list(chunk.logprobs), text_offset, chunk.finish_reason, first
+            index,
+            state,
+            chunk.text,
+            list(chunk.logprobs),
+            text_offset,
+            chunk.finish_reason,
+            first,
+            list(chunk.token_ids),
         )
-        return Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
+        usage = usage_so_far(state) if self.extras.continuous_usage else None
+        return Completion(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+        )
 
     def usage_event(self, usage: Usage) -> Completion:
         return Completion(
@@ -576,7 +648,7 @@ class CompletionRenderer(OpenAIStreaming):
 
     def final(self, states: list[ChoiceState], usage: Usage) -> Completion:
         choices = [
-            self._choice(i, s, s.text, s.logprobs, 0, s.finish_reason, first=True)
+            self._choice(i, s, s.text, s.logprobs, 0, s.finish_reason, True, s.token_ids)
             for i, s in enumerate(states)
         ]
         return Completion(
@@ -594,12 +666,14 @@ class ChatRenderer(OpenAIStreaming):
         *,
         request_id: str | None = None,
         policy: OutputPolicy = OutputPolicy(),
+        extras: Extras = Extras(),
     ) -> None:
         self.id = new_id("chatcmpl", request_id)
         self.created = int(time.time())
         self.model = model
         self.want_logprobs = want_logprobs
         self.policy = policy
+        self.extras = extras
         self._splitters: dict[int, OutputSplitter] = {}  # streaming, per choice
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
@@ -618,9 +692,14 @@ class ChatRenderer(OpenAIStreaming):
     ) -> ChatCompletionChunk | None:
         if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
             return None
-        lps = chat_logprobs(list(chunk.logprobs)) if self.want_logprobs else None
+        lps = (
+            chat_logprobs(list(chunk.logprobs), self.extras.tokens_as_ids)
+            if self.want_logprobs
+            else None
+        )
         finish = chunk.finish_reason
         splitter = self._splitters.get(index)
+        first = splitter is None
         if splitter is None:
             splitter = self._splitters[index] = OutputSplitter(self.policy, state.prompt_tail)
         parts = splitter.feed(chunk.text)
@@ -633,7 +712,8 @@ class ChatRenderer(OpenAIStreaming):
             )
             if splitter.calls and finish == "stop":
                 finish = "tool_calls"
-        if not parts and finish is None and lps is None:
+        extras = self.extras
+        if not parts and finish is None and lps is None and not extras.token_ids:
             return None
         before = len(splitter.calls) - len(parts.calls)
         deltas = [
@@ -651,15 +731,21 @@ class ChatRenderer(OpenAIStreaming):
             reasoning_content=parts.reasoning or None,
             reasoning=parts.reasoning or None,
         )
-        return self._chunk(
+        out = self._chunk(
             ChatChunkChoice(
                 index=index,
                 delta=delta,
                 logprobs=lps,
                 finish_reason=finish,
                 stop_reason=state.stop_reason if finish else None,
+                token_ids=list(chunk.token_ids) if extras.token_ids else None,
             )
         )
+        if extras.continuous_usage:
+            out.usage = usage_so_far(state)
+        if extras.token_ids and first:
+            out.prompt_token_ids = state.prompt_token_ids
+        return out
 
     def usage_event(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -674,13 +760,25 @@ class ChatRenderer(OpenAIStreaming):
                 ChatChoice(
                     index=i,
                     message=message,
-                    logprobs=chat_logprobs(s.logprobs) if self.want_logprobs else None,
+                    logprobs=chat_logprobs(s.logprobs, self.extras.tokens_as_ids)
+                    if self.want_logprobs
+                    else None,
                     finish_reason=finish,
                     stop_reason=s.stop_reason,
+                    token_ids=s.token_ids if self.extras.token_ids else None,
                 )
             )
+        first = states[0]
         return ChatCompletion(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=vllm_prompt_logprobs(first.prompt_logprobs)
+            if self.extras.prompt_logprobs
+            else None,
+            prompt_token_ids=first.prompt_token_ids if self.extras.token_ids else None,
         )
 
     def _message_and_finish(self, state: ChoiceState) -> tuple[ChatMessageOut, str | None]:

@@ -84,6 +84,8 @@ class ToolCallIn(msgspec.Struct, kw_only=True):
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
+    # vLLM: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingRequest(msgspec.Struct, kw_only=True):
@@ -131,6 +133,10 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     # vLLM's prefix-cache isolation: only requests with the same salt share cached KV pages
     # (non-empty when given; GenerationParams.cache_salt)
     cache_salt: str | None = None
+    # vLLM: the prompt's and the output's token ids in the response
+    return_token_ids: bool | None = None
+    # vLLM: logprobs name tokens as "token_id:<id>" (for tokens with no clean text)
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -163,6 +169,8 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     top_logprobs: Int | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
+    # vLLM: the prompt's logprobs (top-level `prompt_logprobs` of the response)
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
 
 
@@ -216,6 +224,9 @@ class CompletionChoice(msgspec.Struct):
     # vLLM's prompt_logprobs: one entry per prompt token (None for the first), each
     # token id -> {"logprob", "rank", "decoded_token"}
     prompt_logprobs: list[dict[str, dict] | None] | None = None
+    # vLLM's return_token_ids: the prompt's ids (first chunk) and the output's
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(msgspec.Struct):
@@ -276,6 +287,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletion(msgspec.Struct):
@@ -286,6 +298,8 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage | None = None
     object: str = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, dict] | None] | None = None  # vLLM's, as completions'
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class FunctionDelta(msgspec.Struct, omit_defaults=True):
@@ -314,6 +328,7 @@ class ChatChunkChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -324,6 +339,7 @@ class ChatCompletionChunk(msgspec.Struct):
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids (first chunk)
 
 
 class ModelCard(msgspec.Struct):

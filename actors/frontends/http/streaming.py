@@ -94,6 +94,12 @@ class GenerationResponder:
             if job.echo:
                 state.prompt_text = await self._prompt_text(job)
                 state.prompt_was_ids = "prompt_ids" in job.prompt
+        prompt_ids: dict[int, list[int]] = {}  # per prompt, when asked for
+        for job, state in zip(jobs, states):
+            if job.wants_prompt_ids:
+                if job.prompt_index not in prompt_ids:
+                    prompt_ids[job.prompt_index] = await self._prompt_ids(job)
+                state.prompt_token_ids = prompt_ids[job.prompt_index]
         outcome = _Outcome(endpoint=scope.get("kvactor.endpoint", ""))
         tx, rx = anyio.create_memory_object_stream[_Event](math.inf)
         async with anyio.create_task_group() as tg:
@@ -137,6 +143,26 @@ class GenerationResponder:
             return await self.client.detokenize(list(job.prompt["prompt_ids"]))
         except GenerationError as exc:
             raise from_generation_error(exc) from None
+
+    async def _prompt_ids(self, job: Job) -> list[int]:
+        """The token ids the engine will prefill for `job`'s prompt (vLLM's
+        return_token_ids): the tokenizer's answer for the same prompt."""
+        p = job.prompt
+        if "prompt_ids" in p:
+            return list(p["prompt_ids"])
+        try:
+            reply = await self.client.tokenize(
+                prompt=p.get("prompt"),
+                messages=p.get("messages"),
+                add_special_tokens="prompt" in p,
+                add_generation_prompt=p.get("add_generation_prompt", True),
+                continue_final_message=p.get("continue_final_message", False),
+                chat_template_kwargs=p.get("chat_template_kwargs") or {},
+                tools=p.get("tools") or [],
+            )
+        except GenerationError as exc:
+            raise from_generation_error(exc) from None
+        return list(reply.tokens)
 
     async def _pump(self, job: Job, api_key: str, tx: MemoryObjectSendStream[_Event]) -> None:
         """Run one choice; every outcome is an event (never an exception in the group)."""
