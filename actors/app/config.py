@@ -124,6 +124,7 @@ class ServerSection(_Section):
     reasoning_parser: str = ""  # "" = off; deepseek_r1 | qwen3: thinking split from answers
     responses_max_stored: int = 1024  # stored /v1/responses kept at most (oldest dropped)
     responses_ttl_s: float = 3600.0  # ... and for at most this long
+    responses_max_sessions: int = 4  # sessions stored responses hold at once (KV kept)
     allowed_origins: list[str] = msgspec.field(default_factory=list)  # CORS; [] = off
     sse_keepalive_s: float = 5.0  # a stream silent this long gets an SSE comment
     stuck_after_s: float = 120.0  # /health: an actor on one message this long is down
@@ -215,6 +216,10 @@ class EngineConfig(_Section):
             (0 <= self.server.port <= 65535, "server.port must be in [0, 65535]"),
             (self.server.responses_max_stored >= 0, "server.responses_max_stored must be >= 0"),
             (self.server.responses_ttl_s > 0, "server.responses_ttl_s must be > 0"),
+            (
+                self.server.responses_max_sessions >= 0,
+                "server.responses_max_sessions must be >= 0",
+            ),
         ]
         for ok, message in checks:
             if not ok:

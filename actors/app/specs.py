@@ -242,6 +242,7 @@ def serving_specs(cfg: EngineConfig, zmq_address: str | None = None) -> list[Act
                 reasoning_parser=srv.reasoning_parser,
                 responses_max_stored=srv.responses_max_stored,
                 responses_ttl_s=srv.responses_ttl_s,
+                responses_max_sessions=srv.responses_max_sessions,
                 allowed_origins=srv.allowed_origins,
                 sse_keepalive_s=srv.sse_keepalive_s,
                 stuck_after_s=srv.stuck_after_s,

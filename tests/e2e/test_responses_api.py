@@ -241,3 +241,49 @@ def test_bad_input_gets_openai_errors_and_changes_nothing(client, server):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input="hi")
     assert scrape_metrics(server)[series] == before + 5  # counted under its endpoint
+
+
+def test_stored_responses_hold_a_bounded_number_of_sessions(client, server, made):
+    """Every stored response keeps its KV in a session, but together they hold at most
+    server.responses_max_sessions (4): the least recently stored gives its up (closed) and
+    its follow-up runs on the prefix cache instead."""
+    before = scrape_metrics(server)["kvactor:sessions_open"]
+    for i in range(6):
+        resp = client.responses.create(
+            model=MODEL_NAME, input=f"Item {i}:", max_output_tokens=2, temperature=0
+        )
+        made.append(resp.id)
+    assert scrape_metrics(server)["kvactor:sessions_open"] == before + 4
+    # The oldest lost its session, not its conversation: a follow-up still works.
+    follow = client.responses.create(
+        model=MODEL_NAME, previous_response_id=made[0], input="More.", max_output_tokens=2
+    )
+    made.append(follow.id)
+    assert follow.previous_response_id == made[0] and follow.usage.input_tokens > 0
+
+
+def test_two_follow_ups_of_one_response_both_run(client, made):
+    """The first follow-up continues the session; the second (a fork) gets a session of its
+    own and prefills again: the KV went on with the chain's latest turn."""
+    story = "A long story begins here, in a town by the sea where the boats came in at dawn "
+    first = client.responses.create(
+        model=MODEL_NAME, input=story * 3, max_output_tokens=4, temperature=0
+    )
+    made.append(first.id)
+    cached = []
+    for text in ("Then?", "And after?"):
+        resp = client.responses.create(
+            model=MODEL_NAME, previous_response_id=first.id, input=text, max_output_tokens=2
+        )
+        made.append(resp.id)
+        assert resp.status == "incomplete" and resp.output_text
+        cached.append(resp.usage.input_tokens_details.cached_tokens)
+    assert cached[0] >= first.usage.input_tokens - 1
+    assert cached[1] < first.usage.input_tokens
+
+
+def test_a_bad_function_name_is_a_400(client):
+    tool = {**WEATHER, "name": "not a valid name!"}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL_NAME, input="hi", tools=[tool])
+    assert err.value.body["param"] == "tools[0].name"

@@ -25,33 +25,46 @@ class Clock:
 
 def test_store_keeps_at_most_max_count_dropping_the_oldest():
     store = ResponseStore(max_count=2, ttl_s=100)
-    assert store.put(_item("a", session="s1")) == []
-    assert store.put(_item("b")) == []
-    gone = store.put(_item("c"))
-    assert [g.id for g in gone] == ["a"] and gone[0].session_id == "s1"  # the caller closes it
+    store.put(_item("a", session="s1"))
+    store.put(_item("b"))
+    assert store.take_retired() == []
+    store.put(_item("c"))
     assert store.get("a", "k") is None and store.get("c", "k") is not None
     assert len(store) == 2
+    assert store.take_retired() == [("k", "s1")]  # the caller closes it
+    assert store.take_retired() == []
 
 
-def test_store_forgets_responses_older_than_ttl():
+def test_store_forgets_responses_older_than_ttl_and_retires_their_sessions():
     clock = Clock()
     store = ResponseStore(max_count=10, ttl_s=5, clock=clock)
-    store.put(_item("a"))
+    store.put(_item("a", session="s1"))
     clock.now = 3
     store.put(_item("b"))
     clock.now = 6
     assert store.get("a", "k") is None  # 6 s old
     assert store.get("b", "k") is not None  # 3 s old
-    gone = store.put(_item("c"))
-    assert gone == []  # "a" already left on the get above
+    assert store.take_retired() == [("k", "s1")]
+
+
+def test_store_holds_at_most_max_sessions_the_oldest_gives_its_up():
+    store = ResponseStore(max_count=10, ttl_s=100, max_sessions=2)
+    for i in range(3):
+        store.put(_item(f"r{i}", session=f"s{i}"))
+    assert store.take_retired() == [("k", "s0")]
+    assert store.get("r0", "k").session_id is None  # still stored, without its KV
+    assert [store.get(f"r{i}", "k").session_id for i in (1, 2)] == ["s1", "s2"]
 
 
 def test_store_shows_a_response_only_to_the_key_that_made_it():
     store = ResponseStore()
-    store.put(_item("a", key="alice"))
+    store.put(_item("a", key="alice", session="s"))
     assert store.get("a", "bob") is None and store.take("a", "bob") is None
+    item = store.get("a", "alice")
+    assert store.holds(item)
     assert store.take("a", "alice").id == "a"
-    assert store.get("a", "alice") is None
+    assert store.get("a", "alice") is None and not store.holds(item)
+    assert store.take_retired() == [("alice", "s")]
 
 
 def test_input_items_become_chat_messages():

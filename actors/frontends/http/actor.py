@@ -72,6 +72,7 @@ class GatewayActor(FrontendActor):
         reasoning_parser: str = "",
         responses_max_stored: int = 1024,
         responses_ttl_s: float = 3600.0,
+        responses_max_sessions: int = 4,
         allowed_origins: Sequence[str] = (),
         sse_keepalive_s: float = 5.0,
         stuck_after_s: float = 120.0,
@@ -88,6 +89,7 @@ class GatewayActor(FrontendActor):
         self.reasoning_parser = reasoning_parser
         self.responses_max_stored = responses_max_stored
         self.responses_ttl_s = responses_ttl_s
+        self.responses_max_sessions = responses_max_sessions
         self.allowed_origins = list(allowed_origins)
         self.sse_keepalive_s = sse_keepalive_s
         self.stuck_after_s = stuck_after_s
@@ -121,6 +123,7 @@ class GatewayActor(FrontendActor):
             reasoning_parser=self.reasoning_parser,
             responses_max_stored=self.responses_max_stored,
             responses_ttl_s=self.responses_ttl_s,
+            responses_max_sessions=self.responses_max_sessions,
             allowed_origins=self.allowed_origins,
             keepalive_s=self.sse_keepalive_s,
             api_key=self.api_key,

@@ -138,6 +138,7 @@ class GatewayApp:
         accepting: Callable[[], bool] = lambda: True,
         responses_max_stored: int = responses.MAX_STORED_RESPONSES,
         responses_ttl_s: float = responses.STORED_RESPONSE_TTL_S,
+        responses_max_sessions: int = responses.MAX_RESPONSE_SESSIONS,
     ) -> None:
         if not model_names:
             raise ValueError("the gateway needs at least one model name")
@@ -158,7 +159,9 @@ class GatewayApp:
         self.bodies = RequestBodies(max_body_bytes, body_timeout_s)
         self.responder = GenerationResponder(client, self.metrics, keepalive_s)
         self.accepting = accepting
-        self.responses = responses.ResponseStore(responses_max_stored, responses_ttl_s)
+        self.responses = responses.ResponseStore(
+            responses_max_stored, responses_ttl_s, responses_max_sessions
+        )
         self.created = int(time.time())
         self.routes = RouteTable(
             [

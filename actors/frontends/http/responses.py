@@ -12,9 +12,11 @@ which OpenAI does not carry over) in the gateway's `ResponseStore`, bounded in c
 age and visible only to the API key that made it, and keeps its KV in a streaming session:
 a follow-up naming it runs as the next turn of that session, so it prefills only what is
 new (`usage.input_tokens_details.cached_tokens`). The session belongs to the latest
-response of a chain; a second follow-up of the same response (a fork) runs without it, on
-the prefix cache. When sessions run out (`sessions.max_sessions`) a response is stored
-without one.
+response of a chain; a second follow-up of the same response (a fork) opens a session of
+its own and prefills again. Stored responses hold at most `server.responses_max_sessions`
+sessions (the least recently stored gives its up first), so they never take every session
+from `/v1/sessions` clients; a response without one, or made when sessions run out,
+continues on the prefix cache.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from actors.frontends.http.schemas import (
 )
 from actors.frontends.http.sse import named_sse_event
 from actors.tool_calls import ToolCall
+from transport.channel import ChannelClosed
 
 # The handlers take the `GatewayApp` (its bodies, client, responder, store and settings);
 # typed `Any` here, since app.py imports this module.
@@ -71,6 +74,7 @@ GatewayApp = Any
 
 MAX_STORED_RESPONSES = 1024
 STORED_RESPONSE_TTL_S = 3600.0
+MAX_RESPONSE_SESSIONS = 4  # sessions stored responses may hold at once (the rest: none)
 _json = msgspec.json.Encoder()
 
 
@@ -88,52 +92,76 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses, least recently stored first; at most `max_count`, none older
-    than `ttl_s`. `put` and `take` return what left the store, whose sessions the caller
-    closes."""
+    """Stored responses, least recently stored first: at most `max_count`, none older than
+    `ttl_s`, and at most `max_sessions` of them holding a session (the least recently
+    stored gives its session up first). Sessions that lose their response (evicted,
+    expired, deleted, or over the cap) wait in `retired` until the caller closes them
+    (`take_retired`): the store itself never awaits."""
 
     def __init__(
         self,
         max_count: int = MAX_STORED_RESPONSES,
         ttl_s: float = STORED_RESPONSE_TTL_S,
+        max_sessions: int = MAX_RESPONSE_SESSIONS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_count = max_count
         self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
         self.clock = clock
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.retired: list[tuple[str, str]] = []  # (key, session id) to close
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, item: StoredResponse) -> list[StoredResponse]:
+    def put(self, item: StoredResponse) -> None:
+        """Store `item` (a new id: ids are random)."""
         item.stored_at = self.clock()
         self._items[item.id] = item
-        gone = self._expire()
+        self._expire()
         while len(self._items) > self.max_count:
-            gone.append(self._items.popitem(last=False)[1])
-        return gone
+            self._drop(self._items.popitem(last=False)[1])
+        holders = [i for i in self._items.values() if i.session_id is not None]
+        for old in holders[: max(len(holders) - self.max_sessions, 0)]:
+            self.retire(old.key, old.session_id)
+            old.session_id = None
 
     def get(self, response_id: str, key: str) -> StoredResponse | None:
         self._expire()
         item = self._items.get(response_id)
         return item if item is not None and item.key == key else None
 
+    def holds(self, item: StoredResponse) -> bool:
+        return self._items.get(item.id) is item
+
     def take(self, response_id: str, key: str) -> StoredResponse | None:
+        """Remove the response (its session, if any, is retired)."""
         item = self.get(response_id, key)
         if item is not None:
             del self._items[response_id]
+            self._drop(item)
         return item
 
-    def _expire(self) -> list[StoredResponse]:
-        gone = []
+    def retire(self, key: str, session_id: str | None) -> None:
+        if session_id is not None:
+            self.retired.append((key, session_id))
+
+    def take_retired(self) -> list[tuple[str, str]]:
+        out, self.retired = self.retired, []
+        return out
+
+    def _drop(self, item: StoredResponse) -> None:
+        self.retire(item.key, item.session_id)
+        item.session_id = None
+
+    def _expire(self) -> None:
         horizon = self.clock() - self.ttl_s
         while self._items:
             oldest = next(iter(self._items.values()))
             if oldest.stored_at >= horizon:
                 break
-            gone.append(self._items.popitem(last=False)[1])
-        return gone
+            self._drop(self._items.popitem(last=False)[1])
 
 
 # ---- request -> chat -------------------------------------------------------------------------
@@ -237,10 +265,15 @@ def _tools(req: ResponsesRequest) -> list[ToolIn] | None:
             )
         if not tool.name:
             raise ApiError(400, f"tools[{i}].name: required", param=f"tools[{i}].name")
-        fn = msgspec.convert(
-            {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
-            FunctionIn,
-        )
+        try:
+            fn = msgspec.convert(
+                {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
+                FunctionIn,
+            )
+        except msgspec.ValidationError as exc:
+            raise ApiError(
+                400, f"tools[{i}]: {exc}", param=f"tools[{i}].name", code="invalid_type"
+            ) from None
         tools.append(ToolIn(type="function", function=fn))
     return tools
 
@@ -577,10 +610,7 @@ async def create(app: GatewayApp, scope: Scope, receive: Receive, send: Send) ->
         tool_format=app.tool_call_parser,
         reasoning=app.reasoning_parser,
     )
-    session_id = await _session_for(app, previous, key) if req.store is not False else None
-    if session_id is not None:
-        jobs = [dataclasses.replace(jobs[0], prompt={**jobs[0].prompt, "session_id": session_id})]
-    response_id = f"resp_{scope['kvactor.request_id']}"
+    response_id = f"resp_{uuid.uuid4().hex}"
     shell = ResponseObject(
         id=response_id,
         created_at=int(time.time()),
@@ -594,41 +624,40 @@ async def create(app: GatewayApp, scope: Scope, receive: Receive, send: Send) ->
         tools=[msgspec.to_builtins(t) for t in req.tools or []],
         tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
         parallel_tool_calls=req.parallel_tool_calls is not False,
-        text=msgspec.to_builtins(req.text)
-        if req.text and req.text.format
-        else {"format": {"type": "text"}},
+        text=_text_echo(req),
         previous_response_id=req.previous_response_id,
         store=req.store is not False,
         metadata=dict(req.metadata or {}),
         reasoning=req.reasoning,
     )
-    left: list[StoredResponse] = []
-    stored: list[StoredResponse] = []
+    session_id: str | None = None
+    stored = False
 
     def on_done(body: ResponseObject) -> None:
+        nonlocal stored
         if req.store is False:
             return
-        item = StoredResponse(
-            id=response_id,
-            key=key,
-            body=body,
-            conversation=[*conversation, assistant_turn(body.output)],
-            session_id=session_id,
-        )
-        stored.append(item)
-        left.extend(store.put(item))
+        conversation_out = [*conversation, assistant_turn(body.output)]
+        store.put(StoredResponse(response_id, key, body, conversation_out, session_id))
+        stored = True
 
     renderer = ResponsesRenderer(shell, jobs[0].policy, on_done)
     try:
+        if req.store is not False:
+            session_id = await _session_for(app, previous, key)
+        if session_id is not None:
+            prompt = {**jobs[0].prompt, "session_id": session_id}
+            jobs = [dataclasses.replace(jobs[0], prompt=prompt)]
         await app.responder.run(scope, receive, send, jobs, renderer, bool(req.stream), False)
     finally:
         if session_id is not None and not stored:
-            # Not stored (refused or failed): the session goes back to where it came from.
-            if previous is not None and previous.session_id is None:
+            # Not stored (refused or failed): the session goes back to the response it
+            # came from while that one is still stored, else it is closed.
+            if previous is not None and store.holds(previous) and previous.session_id is None:
                 previous.session_id = session_id
             else:
-                left.append(StoredResponse("", key, shell, [], session_id))
-        await _close_sessions(app, left)
+                store.retire(key, session_id)
+        await _close_retired(app)
 
 
 def _text_echo(req: ResponsesRequest) -> dict[str, Any]:
@@ -639,29 +668,32 @@ def _text_echo(req: ResponsesRequest) -> dict[str, Any]:
 
 async def _session_for(app: GatewayApp, previous: StoredResponse | None, key: str) -> str | None:
     """The session this response runs in: the previous response's (taken from it, so a
-    second follow-up of it runs without), or a new one; None when none can be had."""
+    concurrent second follow-up of it gets one of its own), or a new one; None when none
+    can be had. A previous session that is busy (its aborted turn still ending) or gone is
+    retired."""
+    unreachable = (GenerationError, TimeoutError, ChannelClosed)
     if previous is not None and previous.session_id is not None:
         session_id, previous.session_id = previous.session_id, None
         try:
             info = await app.client.get_session(session_id, key)
             if not info.closed and not info.busy:
                 return session_id
-        except GenerationError:
-            pass  # it timed out or was closed: a new one
+        except unreachable:
+            pass
+        app.responses.retire(key, session_id)
     try:
         return (await app.client.open_session(0.0, 0, key)).session_id
-    except GenerationError:
+    except unreachable:
         return None  # at the session limit (or an engine without sessions): no session
 
 
-async def _close_sessions(app: GatewayApp, gone: list[StoredResponse]) -> None:
-    for item in gone:
-        if item.session_id is not None:
-            try:
-                await app.client.close_session(item.session_id, item.key)
-            except GenerationError:
-                pass  # already closed or timed out
-            item.session_id = None
+async def _close_retired(app: GatewayApp) -> None:
+    """Close the sessions the store let go (a close during a turn waits for its end)."""
+    for key, session_id in app.responses.take_retired():
+        try:
+            await app.client.close_session(session_id, key)
+        except (GenerationError, TimeoutError, ChannelClosed):
+            pass  # already closed, timed out, or the engine is gone
 
 
 def _response_id(scope: Scope) -> str:
@@ -684,6 +716,7 @@ def _not_found(response_id: str) -> ApiError:
 async def retrieve(app: GatewayApp, scope: Scope, receive: Receive, send: Send) -> None:
     response_id = _response_id(scope)
     item = app.responses.get(response_id, scope.get("kvactor.api_key", ""))
+    await _close_retired(app)
     if item is None:
         raise _not_found(response_id)
     await send_response(send, 200, _json.encode(item.body))
@@ -692,7 +725,7 @@ async def retrieve(app: GatewayApp, scope: Scope, receive: Receive, send: Send) 
 async def delete(app: GatewayApp, scope: Scope, receive: Receive, send: Send) -> None:
     response_id = _response_id(scope)
     item = app.responses.take(response_id, scope.get("kvactor.api_key", ""))
+    await _close_retired(app)
     if item is None:
         raise _not_found(response_id)
-    await _close_sessions(app, [item])
     await send_response(send, 200, _json.encode(DeletedResponse(id=response_id)))
