@@ -44,3 +44,27 @@ def random_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[list[
         start = rng.randrange(0, len(ids) - length)
         out.append([tokenizer.bos_id] + ids[start : start + length - 1])
     return out
+
+
+def save_tiny_llama(folder, vocab_size: int, max_position_embeddings: int = 512) -> None:
+    """A seeded random 2-layer Llama (hidden 64, GQA 4/2) saved as a Hugging Face folder:
+    the model of the e2e tests that serve a tokenizer and template of their own (ids 0-2
+    are pad, bos, eos)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)

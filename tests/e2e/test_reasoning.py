@@ -27,6 +27,7 @@ import openai
 import pytest
 
 from actors.reasoning import reasoning_format
+from tests.e2e.engine_fixtures import save_tiny_llama
 from tests.e2e.server_fixtures import start_server, stop_server
 
 pytestmark = [pytest.mark.model]
@@ -58,27 +59,12 @@ QUESTION = [{"role": "user", "content": "Is the sky blue?"}]
 def tiny_reasoning_model(root: Path, parser: str) -> Path:
     """A random-weight Llama with a character-level tokenizer (plus the two tags) and the
     parser's chat template, saved as a Hugging Face folder."""
-    import torch
     from tokenizers import AddedToken, Tokenizer, decoders
     from tokenizers.models import BPE
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     folder = root / f"tiny-{parser}"
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(VOCAB),
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    save_tiny_llama(folder, len(VOCAB))
     tok = Tokenizer(BPE(VOCAB, [], unk_token="<unk>"))  # no merges: one token a character
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, special=True) for t in CONTROL])

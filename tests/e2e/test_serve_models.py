@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.engine_fixtures import save_tiny_llama
 from tests.e2e.server_fixtures import ROOT, scrape_metrics, start_server, stop_server
 
 pytestmark = [pytest.mark.model]
@@ -23,27 +24,12 @@ VOCAB = 300
 def tiny_llama_folder(root: Path) -> Path:
     """A random-weight Llama with a word-level tokenizer, a chat template and a
     generation_config.json, saved as a Hugging Face folder."""
-    import torch
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers.models import WordLevel
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     folder = root / "tiny-llama"
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    save_tiny_llama(folder, VOCAB)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     vocab |= {f"w{i}": i for i in range(4, VOCAB)}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))

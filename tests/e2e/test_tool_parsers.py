@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.e2e.engine_fixtures import save_tiny_llama
 from tests.e2e.server_fixtures import start_server, stop_server
 
 pytestmark = [pytest.mark.model]
@@ -69,31 +70,16 @@ TEMPLATES = {
 
 def tiny_char_llama(root: Path) -> Path:
     """A random-weight Llama whose tokens are single characters, so any text is spelled."""
-    import torch
     from tokenizers import Tokenizer, decoders
     from tokenizers.models import BPE
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     folder = root / "tiny-char-llama"
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     for c in string.printable:
         if c not in "\t\r\x0b\x0c":
             vocab[c] = len(vocab)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    save_tiny_llama(folder, len(vocab), max_position_embeddings=4096)
     tok = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
     hf_tok = PreTrainedTokenizerFast(

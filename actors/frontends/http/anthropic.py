@@ -60,7 +60,7 @@ from actors.frontends.http.anthropic_schemas import (
 )
 from actors.frontends.http.asgi import Receive, Scope, Send, send_response
 from actors.frontends.http.errors import ApiError, anthropic_error, from_generation_error
-from actors.frontends.http.generation import ChoiceState, Job, chat_jobs, check_model
+from actors.frontends.http.generation import ChoiceState, Job, check_model
 from actors.frontends.http.output_parts import OutputPolicy, OutputSplitter, Parts
 from actors.frontends.http.schemas import (
     ChatCompletionRequest,
@@ -125,13 +125,7 @@ async def count_tokens(app: Any, scope: Scope, receive: Receive, send: Send) -> 
 
 
 def _jobs(app: Any, req: ChatCompletionRequest) -> list[Job]:
-    return chat_jobs(
-        req,
-        app.context_len,
-        app.generation_defaults,
-        tool_format=app.tool_call_parser,
-        reasoning=app.reasoning_parser,
-    )
+    return app.chat_jobs(req)
 
 
 # ---- request -> chat request -----------------------------------------------------------------

@@ -31,6 +31,7 @@ from actors.frontends.http.asgi import (
     Scope,
     Send,
     header,
+    path_id,
     request_id,
     send_response,
 )
@@ -45,6 +46,7 @@ from actors.frontends.http.generation import (
     ChatRenderer,
     CompletionRenderer,
     Extras,
+    Job,
     chat_jobs,
     chat_message,
     check_model,
@@ -356,13 +358,7 @@ class GatewayApp:
         )
         model = check_model(req.model, self.model_names)
         include_usage = _include_usage(req)
-        jobs = chat_jobs(
-            req,
-            self.context_len,
-            self.generation_defaults,
-            tool_format=self.tool_call_parser,
-            reasoning=self.reasoning_parser,
-        )
+        jobs = self.chat_jobs(req)
         renderer = ChatRenderer(
             model,
             bool(req.logprobs),
@@ -372,6 +368,17 @@ class GatewayApp:
         )
         await self.responder.run(
             scope, receive, send, jobs, renderer, bool(req.stream), include_usage
+        )
+
+    def chat_jobs(self, req: ChatCompletionRequest) -> list[Job]:
+        """The engine jobs of a chat request (what the Responses and Messages APIs translate
+        into, too), with this server's defaults and output parsers."""
+        return chat_jobs(
+            req,
+            self.context_len,
+            self.generation_defaults,
+            tool_format=self.tool_call_parser,
+            reasoning=self.reasoning_parser,
         )
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -509,10 +516,7 @@ class GatewayApp:
 
 
 def _session_id(scope: Scope) -> str:
-    sid = scope["path"][len("/v1/sessions/") :]
-    if not sid or "/" in sid:
-        raise ApiError(404, f"no route {clip(scope['path'])}", type=NOT_FOUND, code="not_found")
-    return sid
+    return path_id(scope, "/v1/sessions/")
 
 
 def _include_usage(req: SamplingRequest) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from actors.frontends.http.errors import ApiError, from_decode_error, too_deep
+from actors.frontends.http.errors import NOT_FOUND, ApiError, from_decode_error, too_deep
 from actors.runtime.logging import get_logger
 
 Scope = dict[str, Any]
@@ -182,3 +182,14 @@ async def _drain(receive: Receive, already: int) -> bool:
         if not message.get("more_body", False):
             return True
     return False
+
+
+def path_id(scope: Scope, prefix: str) -> str:
+    """The object id that ends a path under `prefix` (`/v1/sessions/{id}`); 404 when it is
+    empty or has more segments."""
+    path = scope["path"]
+    rest = path[len(prefix) :]
+    if not rest or "/" in rest:
+        shown = path if len(path) <= 200 else f"{path[:200]}... ({len(path)} characters)"
+        raise ApiError(404, f"no route {shown}", type=NOT_FOUND, code="not_found")
+    return rest

@@ -32,9 +32,9 @@ from typing import Any
 import msgspec
 
 from actors.frontends.base import GenerationError
-from actors.frontends.http.asgi import Receive, Scope, Send, send_response
+from actors.frontends.http.asgi import Receive, Scope, Send, path_id, send_response
 from actors.frontends.http.errors import NOT_FOUND, ApiError
-from actors.frontends.http.generation import ChoiceState, chat_jobs, check_model, clip
+from actors.frontends.http.generation import ChoiceState, check_model, clip
 from actors.frontends.http.output_parts import OutputPolicy, OutputSplitter, Parts
 from actors.frontends.http.responses_schemas import (
     UNSUPPORTED,
@@ -603,13 +603,7 @@ async def create(app: GatewayApp, scope: Scope, receive: Receive, send: Send) ->
     conversation = [*(previous.conversation if previous else []), *input_messages(req.input)]
     system = [ChatMessageIn(role="system", content=req.instructions)] if req.instructions else []
     chat = chat_request(req, [*system, *conversation])  # every check before a session opens
-    jobs = chat_jobs(
-        chat,
-        app.context_len,
-        app.generation_defaults,
-        tool_format=app.tool_call_parser,
-        reasoning=app.reasoning_parser,
-    )
+    jobs = app.chat_jobs(chat)
     response_id = f"resp_{uuid.uuid4().hex}"
     shell = ResponseObject(
         id=response_id,
@@ -697,10 +691,7 @@ async def _close_retired(app: GatewayApp) -> None:
 
 
 def _response_id(scope: Scope) -> str:
-    rid = scope["path"][len("/v1/responses/") :]
-    if not rid or "/" in rid:
-        raise ApiError(404, f"no route {clip(scope['path'])}", type=NOT_FOUND, code="not_found")
-    return rid
+    return path_id(scope, "/v1/responses/")
 
 
 def _not_found(response_id: str) -> ApiError:
