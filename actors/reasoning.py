@@ -322,10 +322,12 @@ def wrap_constraint(
     `prompt_tail` (the prompt's last tokens' text, as for `splitter`) makes the grammar
     exact: an output that starts in reasoning must close it before the answer (`<think>`
     repeated or not); one that does not may open a `<think>` block first, or answer at
-    once. Without it (None: the prompt is not known yet) the grammar accepts either: free
-    text up to `</think>` then the answer, or the answer alone. The price of not knowing:
-    until `</think>` is written every token is allowed (the free-text branch is still
-    open), and only where the output may end is checked; give the tail where it is known.
+    once; one whose prompt closed it (thinking disabled by the template) gets the
+    constraint unchanged, from its first token. Without it (None: the prompt is not
+    known) the grammar accepts either: free text up to `</think>` then the answer, or the
+    answer alone. The price of not knowing: until `</think>` is written every token is
+    allowed (the free-text branch is still open), and only where the output may end is
+    checked; the tokenizer actor gives the tail (it wraps after rendering the prompt).
 
     Unchanged: None (no constraint, or `fmt` None: no reasoning parser), and a regex,
     grammar, choice or structural tag that already contains the close tag (it shapes the
@@ -337,6 +339,8 @@ def wrap_constraint(
     any constraint; its errors then name `structural_tag`)."""
     if fmt is None or constraint is None or _describes_reasoning(fmt, constraint):
         return constraint
+    if prompt_tail is not None and prompt_state(prompt_tail, fmt.open_tag, fmt.close_tag) == CLOSED:
+        return constraint  # the template ended the reasoning: the answer starts at once
     inner = _inner_format(constraint)
     gap = {"type": "regex", "pattern": GAP_PATTERN}
     thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": fmt.close_tag}

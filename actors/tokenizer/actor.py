@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import anyio
 import msgspec
 
+from actors.reasoning import reasoning_format, wrap_constraint
 from actors.runtime import Actor, RemoteError, UnexpectedReply
 from actors.tokenizer.chat_template import ChatTemplateError, render_chat, render_time_limit
 from actors.tokenizer.detokenizer import IncrementalDetokenizer
@@ -397,7 +398,7 @@ class TokenizerActor(Actor):
         client id's reservation ends here."""
         try:
             grammar_key = ""
-            if msg.params.constraint is not None:
+            if msg.params.constraint is not None and not msg.params.reasoning_parser:
                 grammar_key = await self._grammar_key(msg.params.constraint)
             return await self._on_generate(msg, pending, grammar_key)
         except (BadRequest, Overloaded, Unavailable, SessionRefused) as exc:
@@ -408,6 +409,11 @@ class TokenizerActor(Actor):
 
     async def _on_generate(self, msg: GenerateRequest, pending: _Pending, grammar_key: str):
         ids = await self.encode_prompt(msg)
+        tail = self.bundle.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        if msg.params.constraint is not None and msg.params.reasoning_parser:
+            # Compiled once the prompt is known: whether it opened the reasoning decides the
+            # grammar (reason first, or answer at once or after a <think> block).
+            grammar_key = await self._grammar_key(_after_reasoning(msg.params, tail))
         p = fit_to_context(msg.params, len(ids), self.context_len)
         rid = next(self._rids)
         if msg.session_id:
@@ -453,7 +459,6 @@ class TokenizerActor(Actor):
             if msg.session_id:
                 await self._end_turn_now(msg.session_id, rid)
             raise
-        tail = self.bundle.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         return Accepted(
             client_rid=msg.client_rid, rid=rid, prompt_tokens=len(ids), prompt_tail=tail
         )
@@ -796,3 +801,15 @@ def _msg_dict(m) -> dict:
         if getattr(m, key) is not None:
             d[key] = getattr(m, key)
     return d
+
+
+def _after_reasoning(params: GenerationParams, prompt_tail: str):
+    """The request's constraint, applied once its reasoning ends (`actors.reasoning`)."""
+    try:
+        fmt = reasoning_format(params.reasoning_parser)
+    except ValueError as exc:
+        raise BadRequest(f"reasoning_parser: {exc}") from None
+    try:
+        return wrap_constraint(fmt, params.constraint, prompt_tail=prompt_tail)
+    except ValueError as exc:
+        raise BadRequest(f"constraint: {exc}") from None

@@ -265,3 +265,28 @@ def test_the_parser_name_is_checked_at_start(tmp_path):
     with pytest.raises(RuntimeError, match="reasoning parser.*deepseek_r1"):
         handle = start_server(args=[str(folder), "--reasoning-parser", "granite"])
         stop_server(handle, check=False)
+
+
+def test_a_closed_reasoning_holds_the_answer_to_its_constraint_from_the_start(served):
+    """The grammar is built knowing the rendered prompt: where the template closed the
+    reasoning (qwen3, thinking disabled) the answer is constrained from its first token,
+    not left free in case a `</think>` comes."""
+    parser, handle, client, model = served
+    if parser != "qwen3":
+        pytest.skip("the enable_thinking switch is the qwen3 template's")
+    for seed in range(3):
+        kwargs = {
+            "temperature": 1.0,
+            "seed": seed,
+            "max_tokens": 24,
+            "extra_body": {
+                "structured_outputs": {"choice": ["yes", "no"]},
+                "chat_template_kwargs": {"enable_thinking": False},
+            },
+        }
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "ok?"}], **kwargs
+        )
+        choice = out.choices[0]
+        assert choice.message.content in ("yes", "no"), choice.message
+        assert choice.finish_reason == "stop" and not choice.message.reasoning_content

@@ -267,13 +267,15 @@ def test_wrapping_puts_free_text_up_to_the_close_tag_first():
         "elements": [thinking, gap, inner],
     }
     assert _format(wrap_constraint(QWEN3, orig, QWEN_OPEN))["type"] == "sequence"
-    # known not to: a <think> block first, or the answer alone
+    # known not to (no tag in the prompt): a <think> block first, or the answer alone
     block = dict(thinking, begin="<think>")
-    for fmt, tail in ((QWEN3, QWEN), (QWEN3, QWEN_OFF), (R1, V31_OFF)):
-        assert _format(wrap_constraint(fmt, orig, tail)) == {
-            "type": "or",
-            "elements": [{"type": "sequence", "elements": [block, gap, inner]}, inner],
-        }
+    assert _format(wrap_constraint(QWEN3, orig, QWEN)) == {
+        "type": "or",
+        "elements": [{"type": "sequence", "elements": [block, gap, inner]}, inner],
+    }
+    # the template closed it (thinking disabled): the answer at once
+    for fmt, tail in ((QWEN3, QWEN_OFF), (R1, V31_OFF)):
+        assert wrap_constraint(fmt, orig, tail) is orig
 
 
 def test_every_kind_wraps_as_a_structural_tag_format():
@@ -330,3 +332,12 @@ def test_what_is_left_as_is_and_what_is_refused():
         with pytest.raises(ReasoningConstraintError, match=message):
             wrap_constraint(R1, c)
     assert issubclass(ReasoningConstraintError, ValueError)
+
+
+def test_a_prompt_that_closed_the_reasoning_keeps_the_constraint_as_it_is():
+    """Thinking disabled by the template (an empty, closed block ends the prompt): the
+    answer is constrained from its first token, for either convention."""
+    orig = OutputConstraint(kind="choice", choices=["yes", "no"])
+    for fmt in (R1, QWEN3):
+        assert wrap_constraint(fmt, orig, prompt_tail=QWEN_OFF) is orig
+        assert wrap_constraint(fmt, orig, prompt_tail=QWEN) is not orig

@@ -79,6 +79,9 @@ class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # An explicit max_tokens beyond the room the prompt leaves in the context is refused
     # (OpenAI's and vLLM's HTTP APIs); otherwise it is capped at that room.
     max_tokens_strict: bool = False
+    # A reasoning parser's name ("": none): the constraint applies once the reasoning ends.
+    # The tokenizer wraps it knowing whether the rendered prompt opened the reasoning.
+    reasoning_parser: str = ""
 
 
 class InvalidParams(ValueError):

@@ -47,7 +47,6 @@ from actors.frontends.http.schemas import (
     Usage,
 )
 from actors.frontends.http.sse import DONE_EVENT, sse_event
-from actors.reasoning import ReasoningConstraintError, reasoning_format, wrap_constraint
 from actors.tool_calls import ToolCall
 from actors.tool_calls import tool_format as tool_format_of
 from transport.messages.engine import ChatMessage, GenerationParams, OutputChunk, TokenLogprob
@@ -364,13 +363,6 @@ def chat_jobs(
                 param=found[0],
             )
         constraint = found[1]
-    if reasoning and constraint is not None:
-        # The constraint applies once reasoning ends; the thinking before it is free.
-        try:
-            constraint = wrap_constraint(reasoning_format(reasoning), constraint)
-        except ReasoningConstraintError as exc:
-            param = found[0] if found else "tools"
-            raise ApiError(400, f"{param}: {exc}", param=param) from None
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
     )
@@ -384,6 +376,10 @@ def chat_jobs(
         prompt_logprobs=req.prompt_logprobs,
         constraint=constraint,
     )
+    if reasoning and constraint is not None:
+        # The constraint applies once reasoning ends; the tokenizer wraps it knowing the
+        # rendered prompt (whether it opened the reasoning).
+        params = msgspec.structs.replace(params, reasoning_parser=reasoning)
     if tool_mode != "none" and req.skip_special_tokens is None:
         if tool_format_of(tool_format).special_markers:
             # The format's markers are special tokens (Mistral's [TOOL_CALLS]): the parser
