@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +76,7 @@ def resolve_tool_choice(tools: list[Tool], tool_choice: Any) -> tuple[str, list[
 # ---- the format ------------------------------------------------------------------------------
 
 
-class ToolFormat:
+class ToolFormat(ABC):
     """One model family's way of writing tool calls. Subclasses set the class attributes and
     implement `close`, `cut_short`, `constraint`, `write_calls` and `preamble`."""
 
@@ -86,12 +87,12 @@ class ToolFormat:
     special_markers = False
 
     # -- output --------------------------------------------------------------------------------
+    @abstractmethod
     def close(
         self, begin: str, body: str, tools: dict[str, Tool]
     ) -> tuple[int, list[ToolCall] | None] | None:
         """Where the block opened by `begin` ends (the length of `body` it takes) and its calls
         (None: not calls, the block is content as written), or None while undecided."""
-        raise NotImplementedError
 
     def cut_short(self, begin: str, body: str, tools: dict[str, Tool]) -> list[ToolCall]:
         """The calls of a block the text ended inside (max_tokens): the complete ones, then the
@@ -117,26 +118,26 @@ class ToolFormat:
         return content, parser.calls
 
     # -- constraint ----------------------------------------------------------------------------
+    @abstractmethod
     def constraint(self, mode: str, tools: list[Tool], parallel: bool = True) -> str | None:
         """The xgrammar structural tag (JSON text) of `tool_choice` `mode`; None for none."""
-        raise NotImplementedError
 
     # -- prompt --------------------------------------------------------------------------------
     def detect(self, template: str) -> bool:
         """Whether a chat template's text shows this format."""
         return False
 
+    @abstractmethod
     def write_calls(self, calls: list[tuple[str, dict[str, Any] | str]]) -> str:
         """An assistant turn's calls, as the model writes them."""
-        raise NotImplementedError
 
     def write_result(self, content: str) -> str:
         """A tool's result, as the user turn that carries it back."""
         return content
 
+    @abstractmethod
     def preamble(self, tools: list[dict[str, Any]]) -> str:
         """The system-message text that describes the tools and this format."""
-        raise NotImplementedError
 
     def prompt_messages(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], native: bool
@@ -296,10 +297,10 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def balanced_end(text: str, start: int = 0, depth: int = 0, quotes: str = '"') -> int | None:
-    """The index just past the bracket that brings `depth` back to 0, scanning `text` from
-    `start` (strings in `quotes`, with backslash escapes, are skipped); None if the text ends
-    first. Brackets of all kinds count alike: a mismatch is the caller's parse error."""
+def outside_strings(text: str, start: int = 0, quotes: str = '"'):
+    """(index, character) of every character of `text` from `start` that is not inside a
+    string quoted by one of `quotes` (backslash escapes honoured); the quotes themselves are
+    skipped too."""
     in_string = ""
     escaped = False
     for i in range(start, len(text)):
@@ -313,7 +314,16 @@ def balanced_end(text: str, start: int = 0, depth: int = 0, quotes: str = '"') -
                 in_string = ""
         elif c in quotes:
             in_string = c
-        elif c in "[{(":
+        else:
+            yield i, c
+
+
+def balanced_end(text: str, start: int = 0, depth: int = 0, quotes: str = '"') -> int | None:
+    """The index just past the bracket that brings `depth` back to 0, scanning `text` from
+    `start` (strings in `quotes`, with backslash escapes, are skipped); None if the text ends
+    first. Brackets of all kinds count alike: a mismatch is the caller's parse error."""
+    for i, c in outside_strings(text, start, quotes):
+        if c in "[{(":
             depth += 1
         elif c in "]})":
             depth -= 1

@@ -199,10 +199,10 @@ def test_answer_constraint_lets_reasoning_through_first(served):
     assert reasoned >= 1
 
 
+# The enable_thinking switch is the qwen3 template's: these run on that server only.
+@pytest.mark.parametrize("served", ["qwen3"], indirect=True)
 def test_a_template_that_closed_the_reasoning_gives_content(served):
     parser, handle, client, model = served
-    if parser != "qwen3":
-        pytest.skip("the enable_thinking switch is the qwen3 template's")
     kwargs = {
         "temperature": 0,
         "max_tokens": 12,
@@ -267,13 +267,12 @@ def test_the_parser_name_is_checked_at_start(tmp_path):
         stop_server(handle, check=False)
 
 
+@pytest.mark.parametrize("served", ["qwen3"], indirect=True)
 def test_a_closed_reasoning_holds_the_answer_to_its_constraint_from_the_start(served):
     """The grammar is built knowing the rendered prompt: where the template closed the
     reasoning (qwen3, thinking disabled) the answer is constrained from its first token,
     not left free in case a `</think>` comes."""
     parser, handle, client, model = served
-    if parser != "qwen3":
-        pytest.skip("the enable_thinking switch is the qwen3 template's")
     for seed in range(3):
         kwargs = {
             "temperature": 1.0,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -535,7 +536,7 @@ def usage_so_far(state: ChoiceState) -> Usage:
     )
 
 
-class OpenAIStreaming:
+class OpenAIStreaming(ABC):
     """How OpenAI's streams are framed: `data:` events, a usage chunk when asked for, and
     `[DONE]` after the last chunk or after an `{"error": ...}` event."""
 
@@ -547,8 +548,9 @@ class OpenAIStreaming:
     def stream_error(self, error: ApiError) -> bytes:
         return sse_event(ErrorBody(error=error.detail)) + DONE_EVENT
 
+    @abstractmethod
     def usage_event(self, usage: Usage) -> Any:
-        raise NotImplementedError
+        """The chunk that carries `usage` alone (no choices), in the endpoint's object."""
 
 
 class CompletionRenderer(OpenAIStreaming):
