@@ -32,6 +32,7 @@ from actors.tool_calls.common import (
     ToolFormat,
     as_dict,
     balanced_end,
+    outside_strings,
     partial_object,
     structural_tag,
     tags_with_separator,
@@ -259,19 +260,9 @@ class Pythonic(ToolFormat):
 
 def _top_level_comma(text: str, start: int) -> int | None:
     """The first comma at or after `start` outside brackets and strings."""
-    depth, in_string, escaped = 0, "", False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == in_string:
-                in_string = ""
-        elif c in "\"'":
-            in_string = c
-        elif c in "[{(":
+    depth = 0
+    for i, c in outside_strings(text, start, "\"'"):
+        if c in "[{(":
             depth += 1
         elif c in "]})":
             depth -= 1

@@ -152,3 +152,17 @@ class GreedyRunner:
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
+
+
+def char_vocab(pieces: list[str], eos: int = 1) -> dict[str, int]:
+    """A character-level vocabulary (<pad> 0, <eos> `eos`, then every printable character
+    but \t \r \v \f) with `pieces` as extra multi-character tokens: the grammar tests'."""
+    import string
+
+    vocab = {"<pad>": 0, "<eos>": eos}
+    for c in string.printable:
+        if c not in "\t\r\x0b\x0c":
+            vocab[c] = len(vocab)
+    for piece in pieces:
+        vocab[piece] = len(vocab)
+    return vocab

@@ -27,6 +27,7 @@ from kernels.grammar import (
     constraint_key,
 )
 from kernels.sampling import Sampler
+from tests.model.model_fixtures import char_vocab
 from tests.unit.tool_specs import TIME, WEATHER
 from transport.messages.params import (
     GenerationParams,
@@ -39,17 +40,7 @@ EOS = 1
 PIECES = ['{"', '": ', '", "', "true", "false", "null", "  ", "😀"]
 
 
-def tiny_vocab() -> dict[str, int]:
-    vocab = {"<pad>": 0, "<eos>": EOS}
-    for c in string.printable:
-        if c not in "\t\r\x0b\x0c":
-            vocab[c] = len(vocab)
-    for piece in PIECES:
-        vocab[piece] = len(vocab)
-    return vocab
-
-
-VOCAB = tiny_vocab()
+VOCAB = char_vocab(PIECES, EOS)
 TEXT = {i: t for t, i in VOCAB.items()}
 # A logits width past the tokenizer's (as models pad their vocabulary): the extra columns
 # are never allowed for a constrained row.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import string
 
 import jsonschema
 import pytest
@@ -23,23 +22,14 @@ from tokenizers import Tokenizer, models
 from actors.reasoning import reasoning_format, wrap_constraint
 from kernels.grammar import GrammarEngine
 from kernels.sampling import Sampler
+from tests.model.model_fixtures import char_vocab
 from transport.messages.params import GenerationParams, OutputConstraint
 
 EOS = 1
 PIECES = ["<think>", "</think>", '{"', '": ', "yes", "no", "\n\n"]
 
 
-def tiny_vocab() -> dict[str, int]:
-    vocab = {"<pad>": 0, "<eos>": EOS}
-    for c in string.printable:
-        if c not in "\t\r\x0b\x0c":
-            vocab[c] = len(vocab)
-    for piece in PIECES:
-        vocab[piece] = len(vocab)
-    return vocab
-
-
-VOCAB = tiny_vocab()
+VOCAB = char_vocab(PIECES, EOS)
 TEXT = {i: t for t, i in VOCAB.items()}
 CLOSE = VOCAB["</think>"]
 
