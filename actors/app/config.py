@@ -58,6 +58,11 @@ class ModelSection(_Section):
 class KvSection(_Section):
     page_size: int = 16
     num_pages: int = 2048
+    # Size the KV pool from memory instead (kernels/memory_plan.py; num_pages is then
+    # computed, the sliding pool keeping its proportion): weights plus the pool may take
+    # this share of the memory available at start (vLLM's gpu_memory_utilization; 0 = off) ...
+    memory_fraction: float = 0.0
+    memory_bytes: int = 0  # ... or the pool may take this many bytes (0 = off); one of the two
     # req-to-token rows: running requests, plus idle sessions holding KV; sessions get the
     # rows beyond scheduler.max_running_requests (at most sessions.max_sessions)
     max_rows: int = 80
@@ -181,6 +186,12 @@ class EngineConfig(_Section):
             (k.context_len >= 2, "kv.context_len must be >= 2"),
             (k.swa_num_pages >= -1, "kv.swa_num_pages must be -1 (as num_pages), 0 (off) or N"),
             (k.swa_free_step >= 1, "kv.swa_free_step must be >= 1"),
+            (0.0 <= k.memory_fraction <= 1.0, "kv.memory_fraction must be in [0, 1] (0: off)"),
+            (k.memory_bytes >= 0, "kv.memory_bytes must be >= 0 (0: off)"),
+            (
+                not (k.memory_fraction and k.memory_bytes),
+                "kv.memory_fraction and kv.memory_bytes: set one of them, not both",
+            ),
             (
                 k.max_rows >= s.max_running_requests,
                 "kv.max_rows must be >= scheduler.max_running_requests",

@@ -4,12 +4,18 @@
 plus the in-process frontend; `serving_specs` add the client-facing ones of `bin/engine
 serve` (the HTTP gateway and, when asked, the ZeroMQ endpoint). With `engine.transport = "ipc"` or
 `"tcp"`, `engine.groups` maps an actor to a process group; "main" is this process.
+
+The KV pool's size comes from the memory plan (`memory_plan`, `kernels.memory_plan`): the
+configured `kv.num_pages`, or what `kv.memory_fraction` / `kv.memory_bytes` leave room for;
+the allocator, the runner, the sessions' cap and the gateway's metrics all get its figures, and
+a model that cannot fit is refused here, before any actor starts.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from actors.app.config import ConfigError, EngineConfig
 from actors.app.model_info import generation_defaults, read_chat_template, served_names
@@ -17,6 +23,9 @@ from actors.frontends.base import FrontendActor
 from actors.runtime import ActorSpec
 from actors.runtime.logging import get_logger
 from actors.tool_calls import resolve_tool_format
+
+if TYPE_CHECKING:
+    from kernels.memory_plan import MemoryPlan
 
 _log = get_logger("specs")
 
@@ -42,6 +51,97 @@ def sliding_window(cfg: EngineConfig) -> int:
 
     model = load_config(cfg.model.path or None)
     return int(model.sliding_window or 0) if model.sliding_layers else 0
+
+
+_PLANS: dict[tuple, MemoryPlan] = {}  # the config's memory knobs -> its plan
+
+
+def memory_plan(cfg: EngineConfig) -> MemoryPlan:
+    """The KV pool's pages and the memory figures behind them, decided once per process for
+    a model and its memory settings and logged (`memory_plan`; a warning when little is left).
+    A model or pool that cannot fit is a `ConfigError` naming the figures and what to change.
+    """
+    mdl, kv = cfg.model, cfg.kv
+    key = (
+        mdl.path,
+        mdl.dtype,
+        mdl.device,
+        mdl.quantization,
+        mdl.linear,
+        kv.page_size,
+        kv.num_pages,
+        kv.swa_num_pages,
+        kv.context_len,
+        kv.memory_fraction,
+        kv.memory_bytes,
+        cfg.scheduler.chunk_size,
+    )
+    if key in _PLANS:
+        return _PLANS[key]
+    from kernels.cpu import choose_dtype
+    from kernels.device import choose_device
+    from kernels.memory_plan import MemoryPlanError, available_memory, plan_memory
+    from kernels.models import load_config
+
+    try:
+        device, _ = choose_device(mdl.device)
+        dtype, _ = choose_dtype(mdl.dtype, device)
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
+    path = mdl.path or None
+    model = load_config(path)
+    quantization = mdl.quantization
+    if quantization == "auto":  # as the runner will resolve it
+        from kernels.models import resolve_quantization
+
+        quantization, _ = resolve_quantization(quantization, path, model, device)
+    available, available_why = available_memory(device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    try:
+        plan = plan_memory(
+            model,
+            dtype=dtype_name,
+            quantization=quantization,
+            available=available,
+            available_why=available_why,
+            page_size=kv.page_size,
+            num_pages=kv.num_pages,
+            swa_num_pages=kv.swa_num_pages,
+            context_len=kv.context_len,
+            memory_fraction=kv.memory_fraction,
+            memory_bytes=kv.memory_bytes,
+            chunk_size=cfg.scheduler.chunk_size,
+            device=device,
+            linear=_linear_layout(mdl.linear, quantization, device, dtype),
+        )
+    except MemoryPlanError as exc:
+        raise ConfigError(f"memory plan: {exc}") from None
+    _log.info(
+        "memory_plan",
+        **plan.log_fields(),
+        dtype=dtype_name,
+        quantization=quantization,
+        available_from=available_why,
+    )
+    for warning in plan.warnings:
+        _log.warning("memory_plan_headroom", warning=warning)
+    _PLANS[key] = plan
+    return plan
+
+
+def _linear_layout(requested: str, quantization: str, device: str, dtype) -> str:
+    """The decoder linears' layout the runner will pick (`kernels.linear`), for the weights'
+    size: irrelevant once quantized; an impossible request is left for the runner to refuse."""
+    if quantization != "none":
+        return "aten"
+    import torch
+
+    from kernels.linear import choose_linear_backend
+
+    try:
+        return choose_linear_backend(requested, torch.device(device), dtype)[0]
+    except ValueError:
+        return "aten"
 
 
 _TOOL_FORMATS: dict[tuple[str, str, str], str] = {}  # (parser, chat_template, model) -> name
@@ -119,14 +219,16 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
     kv, sch, mdl = cfg.kv, cfg.scheduler, cfg.model
     group = cfg.engine.groups.get
     model_path = mdl.path or None
+    plan = memory_plan(cfg)
+    num_pages = plan.num_pages
     window = sliding_window(cfg)
-    swa_num_pages = swa_pages(cfg) if window else 0
+    swa_num_pages = plan.swa_num_pages if window else 0
     specs = [
         ActorSpec(
             "runner",
             "actors.model_runner:ModelRunnerActor",
             dict(
-                num_pages=kv.num_pages,
+                num_pages=num_pages,
                 page_size=kv.page_size,
                 max_rows=kv.max_rows,
                 row_capacity=kv.context_len,
@@ -151,7 +253,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
             "allocator",
             "actors.allocator.actor:AllocatorActor",
             dict(
-                num_pages=kv.num_pages,
+                num_pages=num_pages,
                 page_size=kv.page_size,
                 max_rows=kv.max_rows,
                 row_capacity=kv.context_len,
@@ -161,7 +263,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 sliding_window=window,
                 swa_free_step=kv.swa_free_step,
                 swa_free_prompt=kv.swa_free_prompt,
-                session_max_pages=int(cfg.sessions.max_pinned_share * kv.num_pages),
+                session_max_pages=int(cfg.sessions.max_pinned_share * num_pages),
             ),
             group=group("allocator", "main"),
         ),
@@ -227,6 +329,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
 def serving_specs(cfg: EngineConfig, zmq_address: str | None = None) -> list[ActorSpec]:
     """The client-facing actors of `bin/engine serve`: the HTTP gateway (+ ZeroMQ endpoint)."""
     srv = cfg.server
+    plan = memory_plan(cfg)
     specs = [
         ActorSpec(
             "gateway",
@@ -252,12 +355,16 @@ def serving_specs(cfg: EngineConfig, zmq_address: str | None = None) -> list[Act
                 max_connections=srv.max_connections,
                 watched_actors=core_actor_names(cfg),
                 # vllm:cache_config_info's labels, valued as vLLM writes them ("16",
-                # "True"); the KV cache has the model's dtype ("auto" as vLLM's "auto")
+                # "True"); the KV cache has the model's dtype ("auto" as vLLM's "auto");
+                # the memory_* entries are the plan's figures, exported as gauges
                 cache_config={
                     "block_size": str(cfg.kv.page_size),
-                    "num_gpu_blocks": str(cfg.kv.num_pages),
+                    "num_gpu_blocks": str(plan.num_pages),
                     "enable_prefix_caching": str(cfg.kv.radix),
                     "cache_dtype": cfg.model.dtype,
+                    "memory_weights_bytes": str(plan.weights),
+                    "memory_kv_pool_bytes": str(plan.kv_pool),
+                    "memory_available_bytes": str(plan.available),
                 },
             ),
             group="main",

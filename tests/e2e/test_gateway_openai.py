@@ -491,6 +491,45 @@ def test_cache_config_info_names_the_kv_cache(server):
     }
 
 
+def test_memory_plan_gauges_report_weights_kv_pool_and_memory(server):
+    """The shared server's plan (fp32, aten linears, 512 pages of 16 tokens and a sliding
+    pool as large) at start, as kvactor:memory_* gauges."""
+    import torch
+
+    from kernels.memory_plan import kv_pool_bytes, weight_bytes
+    from kernels.models import load_config
+
+    metrics = scrape_metrics(server)
+    model = load_config(None)
+    on_cpu = not torch.cuda.is_available()
+    weights = weight_bytes(model, 4, linear="aten", lm_head_onednn=on_cpu).total
+    assert metrics["kvactor:memory_weights_bytes"] == weights
+    assert metrics["kvactor:memory_kv_pool_bytes"] == kv_pool_bytes(
+        model, 4, PAGE_SIZE, NUM_PAGES, NUM_PAGES
+    )
+    assert (
+        metrics["kvactor:memory_available_bytes"]
+        > weights + (metrics["kvactor:memory_kv_pool_bytes"])
+    )
+
+
+def test_an_impossible_memory_budget_is_refused_before_any_actor_starts():
+    """1 MiB of KV cannot hold one 2048-token request: the engine and `bin/engine serve`
+    refuse at start, naming the figures and what to change."""
+    from actors.app import cli
+    from actors.app.config import ConfigError
+
+    cfg = small_config(kv__memory_bytes=1 << 20)
+    with pytest.raises(ConfigError) as info:
+        ServingEngine(cfg)
+    text = str(info.value)
+    assert "kv.memory_bytes = 1048576" in text and "kv.context_len = 2048" in text
+    assert "raise kv.memory_bytes" in text and "--max-model-len" in text
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--set", "kv.memory_bytes=1048576", "--max-model-len", "2048"])
+    assert str(exited.value.code).startswith("bin/engine: memory plan: kv.memory_bytes")
+
+
 def test_api_key_is_required(server):
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong-key", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError) as info:

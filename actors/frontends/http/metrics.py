@@ -4,11 +4,12 @@ The series vLLM exports keep vLLM's names, types and labels (`vllm:num_requests_
 `vllm:time_to_first_token_seconds`, ..., each with `model_name`), so a vLLM Grafana
 dashboard reads them unchanged (`configs/grafana-dashboard.json` is ours). kvactor's own
 series (requests by HTTP outcome, KV pages by owner, records, rows, retractions, evictions,
-the idle check) are under `kvactor:`. One registry per gateway also carries the process
-collector (CPU, RSS, open fds). Engine figures come from the scheduler's and the allocator's
-stats, fetched by the `/metrics` handler right before each scrape (`EngineCollector`); the
-tokens-per-step histogram (`vllm:iteration_tokens_total`) is the scheduler's, its stats carry
-the bucket counts. Per-request series are observed here as each choice finishes.
+the idle check, the memory plan's figures at start) are under `kvactor:`. One registry per
+gateway also carries the process collector (CPU, RSS, open fds). Engine figures come from
+the scheduler's and the allocator's stats, fetched by the `/metrics` handler right before
+each scrape (`EngineCollector`); the tokens-per-step histogram (`vllm:iteration_tokens_total`)
+is the scheduler's, its stats carry the bucket counts. Per-request series are observed here
+as each choice finishes.
 """
 
 from __future__ import annotations
@@ -119,6 +120,15 @@ OUTCOME_ABORTED = "aborted"  # the client left before the end
 # The `endpoint` label of generation requests, exported from the start (0 until used);
 # other routes get theirs when first counted.
 GENERATION_ENDPOINTS = ("completions", "chat_completions", "responses", "messages")
+
+
+# The memory plan's figures at start (kernels/memory_plan.py), as gauges: each is taken from
+# the gateway's `cache_config` under its name (bytes, as a string) rather than as a label.
+MEMORY_GAUGES = {
+    "memory_weights_bytes": "Estimated bytes of the model's weights as loaded (at start)",
+    "memory_kv_pool_bytes": "Bytes of the KV pool, every pool as allocated (at start)",
+    "memory_available_bytes": "Memory available on the model's device at start",
+}
 
 
 def token_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -328,7 +338,10 @@ class GatewayMetrics:
     ) -> None:
         """`cache_config`: the KV cache's settings under vLLM's label names (`block_size`,
         `num_gpu_blocks`, `enable_prefix_caching`, `cache_dtype`), exported as the labels
-        of `vllm:cache_config_info` (not exported without it)."""
+        of `vllm:cache_config_info` (not exported without it); its `MEMORY_GAUGES` entries
+        (byte counts) are exported as those `kvactor:` gauges instead."""
+        cache_config = dict(cache_config or {})
+        memory = {k: float(cache_config.pop(k)) for k in MEMORY_GAUGES if k in cache_config}
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.registry = CollectorRegistry()
@@ -416,6 +429,8 @@ class GatewayMetrics:
                 registry=r,
             )
             info.labels(model_name, *cache_config.values()).set(1)
+        for name, value in memory.items():
+            Gauge(f"{OWN}{name}", MEMORY_GAUGES[name], m, registry=r).labels(model_name).set(value)
         self.engine = EngineCollector(model_name)
         r.register(self.engine)
         ProcessCollector(registry=r)
