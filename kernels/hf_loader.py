@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -130,10 +131,10 @@ def _param_name(hf_name: str) -> str | None:
     return None
 
 
-def load_hf_weights(
+def iter_hf_weights(
     folder: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32
-) -> dict[str, Tensor]:
-    """All decoder weights of a HF folder as `dtype` tensors under our parameter names."""
+) -> Iterator[tuple[str, Tensor]]:
+    """(our name, `dtype` tensor) for every decoder weight of a HF folder, one at a time."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -141,7 +142,6 @@ def load_hf_weights(
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
-    weights: dict[str, Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in tqdm(
@@ -156,5 +156,11 @@ def load_hf_weights(
                     continue  # vision tower, projector, ... of multimodal checkpoints
                 if name == "lm_head.weight" and config.tie_embeddings:
                     continue
-                weights[name] = f.get_tensor(hf_name).to(dtype)
-    return weights
+                yield name, f.get_tensor(hf_name).to(dtype)
+
+
+def load_hf_weights(
+    folder: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32
+) -> dict[str, Tensor]:
+    """All decoder weights of a HF folder as `dtype` tensors under our parameter names."""
+    return dict(iter_hf_weights(folder, config, dtype))

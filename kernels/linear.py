@@ -52,6 +52,15 @@ LINEAR_BACKENDS = ("aten", "onednn", "fp16")
 FP16_MAX = 65504.0  # the largest finite fp16
 
 
+def decoder_linear(name: str) -> str | None:
+    """`layers.3.self_attn.q_proj.weight` -> `layers.3.self_attn.q_proj` for the weight of a
+    decoder linear (a projection inside a layer); None for anything else (norms, embeddings,
+    biases, the LM head)."""
+    if name.startswith("layers.") and name.endswith("_proj.weight"):
+        return name.removesuffix(".weight")
+    return None
+
+
 def stack_projections(weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """Checkpoint-named tensors -> the model's: `*.q_proj.weight`, `*.k_proj.weight` and
     `*.v_proj.weight` become one `*.qkv_proj.weight` (biases likewise), gate and up become

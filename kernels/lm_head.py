@@ -84,7 +84,8 @@ class LmHead:
         backend: str | dict[int, str] = "auto",
         calibration_sizes: Sequence[int] = DEFAULT_CALIBRATION_SIZES,
         quantized_activations: torch.dtype | None = None,
-    ) -> None:
+        quantized: QuantizedWeight | None = None,  # the approximate backend's weight, made
+    ) -> None:  # already (a loader read it straight from quantized blocks)
         if weight.dim() != 2:
             raise ValueError(f"lm_head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
         on_cpu = weight.device.type == "cpu"
@@ -131,7 +132,7 @@ class LmHead:
             raise ValueError("the numpy lm_head backend needs a float32 weight")
         self._quantized: QuantizedWeight | None = None  # of an approximate backend
         if backend in APPROXIMATE_BACKENDS:
-            self._quantized = QuantizedWeight(
+            self._quantized = quantized or QuantizedWeight(
                 self.weight, backend, quantized_activations or self.weight.dtype
             )
         self._kernels: dict[str, Callable[[Tensor], Tensor]] = {

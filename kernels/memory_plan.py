@@ -32,15 +32,15 @@ Pure Python: torch is imported only inside `available_memory` (CUDA) and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kernels.config import ModelConfig
+from kernels.quant_layout import AS_STORED, INT4_BLOCK_TYPES, INT4_GROUP, INT4_ROWS
 
 GIB = 1 << 30
-INT4_GROUP = 32  # kernels.quant.INT4_GROUP: input channels per int4 (scale, zero) pair
-INT4_ROWS = 16  # kernels.quant: int4 output channels are padded to a multiple of this
 LOW_HEADROOM_SHARE = 0.05  # a plan leaving less than this share of memory free is warned of
 _DTYPE_BYTES = {
     "float32": 4,
@@ -122,6 +122,25 @@ def weight_bytes(
     copies of fp32 weights; "aten" / "onednn": the model dtype). `lm_head_onednn`: the exact
     LM head keeps a oneDNN-packed copy of its weight (the CPU's `LmHead`; with "fp16" linears
     it is the copy of the fp16-rounded values in fp32)."""
+    if quantization == AS_STORED:  # int4 for what is stored in 4-bit blocks, else int8
+        share = int4_share(config)
+        parts = [
+            weight_bytes(
+                config,
+                dtype_bytes,
+                kind,
+                activation_bytes=activation_bytes,
+                linear=linear,
+                lm_head_onednn=lm_head_onednn,
+            )
+            for kind in ("int4", "int8")
+        ]
+        return WeightBytes(
+            *(
+                round(share * a + (1 - share) * b)
+                for a, b in zip(*(dataclasses.astuple(p) for p in parts))
+            )
+        )
     c, d = config, dtype_bytes
     quantized = quantization != "none"
     stored = 2 if linear == "fp16" and not quantized else d  # fp16-packed decoder linears
@@ -159,6 +178,14 @@ def weight_bytes(
     elif lm_head_onednn:
         head += table * d
     return WeightBytes(embedding=embedding, decoder=decoder, lm_head=head)
+
+
+def int4_share(config: ModelConfig) -> float:
+    """Share of a GGUF's 2-D weights stored in 4-bit blocks (kept int4 as stored); an
+    estimate for the rest: a stacked projection with one part in another type is int8."""
+    types = config.extra.get("weight_types") or {}
+    total = sum(types.values())
+    return sum(n for t, n in types.items() if t in INT4_BLOCK_TYPES) / total if total else 0.0
 
 
 def measured_weight_bytes(model: Any, lm_head: Any = None) -> int:
@@ -394,7 +421,9 @@ def plan_memory(
     if weights is None:
         weights = estimate(quantization)
     if weights > available:
-        smaller = {"none": ("int8", "int4"), "int8": ("int4",)}.get(quantization, ())
+        smaller = {"none": ("int8", "int4"), "int8": ("int4",), AS_STORED: ("int4",)}.get(
+            quantization, ()
+        )
         fits = [k for k in smaller if estimate(k) < available]
         fix = (
             f"--quantization {fits[0]} (model.quantization = {fits[0]}: ~{gib(estimate(fits[0]))})"

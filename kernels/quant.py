@@ -34,16 +34,17 @@ perplexity move from fp32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.quant_layout import INT4_GROUP, QUANTIZATIONS
+from kernels.quant_layout import INT4_ROWS as _INT4_ROWS
 from kernels.timing import timed_runs
 
-QUANTIZATIONS = ("int8", "int4")
-INT4_GROUP = 32  # input channels per int4 scale/zero pair (llama.cpp's block size)
 INT4_REFINE_ROUNDS = 4
-_INT4_ROWS = 16  # the int4 kernel's output channels come in multiples of this
 _FIT_ROWS = 16384  # output channels fitted at a time
 
 
@@ -58,11 +59,19 @@ def _check_kind(kind: str) -> None:
 def quantize_rows(
     weight: Tensor, scale_dtype: torch.dtype = torch.float32
 ) -> tuple[Tensor, Tensor]:
-    """(int8 [out, in], scales [out] in `scale_dtype`) with weight ~ q * scales[:, None]."""
-    w = weight.detach().float()
-    scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(scale_dtype)
-    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), scales
+    """(int8 [out, in], scales [out] in `scale_dtype`) with weight ~ q * scales[:, None].
+    Rows are done `_FIT_ROWS` at a time: the float temporaries stay small for a
+    vocabulary-sized head."""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0], dtype=scale_dtype)
+    for start in range(0, weight.shape[0], _FIT_ROWS):
+        w = weight[start : start + _FIT_ROWS].detach().float()
+        chunk_scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(scale_dtype)
+        scales[start : start + w.shape[0]] = chunk_scales
+        q[start : start + w.shape[0]] = torch.round(w / chunk_scales.float()[:, None]).clamp(
+            -127, 127
+        )
+    return q, scales
 
 
 def int8_product(rows: Tensor, q: Tensor, scales: Tensor) -> Tensor:
@@ -157,24 +166,62 @@ def int4_product(rows: Tensor, packed: Tensor, scales_zeros: Tensor, out_feature
 # --- either kind ---------------------------------------------------------------------------
 
 
+class QuantizedPart(NamedTuple):
+    """A weight a loader read already quantized (`kernels.gguf_int4`): `quantize_part`'s
+    output for `kind`, ready for `QuantizedWeight.from_parts`."""
+
+    kind: str
+    q: Tensor
+    scales: Tensor
+
+
+def quantize_part(weight: Tensor, kind: str, activations: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One weight's unpacked quantization: int8 (q [out, in], scales [out]) or int4 (q uint8
+    [out, in], scales_zeros [in / group, out, 2]). Every output row is quantized on its own,
+    so the parts of stacked projections (q, k, v) concatenate along the output channels
+    (`QuantizedWeight.from_parts`) into what quantizing the stacked weight gives."""
+    _check_kind(kind)
+    if kind == "int8":
+        return quantize_rows(weight, activations)
+    q, scales_zeros = quantize_groups(weight, activations)
+    return q.to(torch.uint8), scales_zeros
+
+
 class QuantizedWeight:
     """One [out, in] weight in `kind`, its products run with activations in `activations`
     (the dtype its scales are stored in)."""
 
     def __init__(self, weight: Tensor, kind: str, activations: torch.dtype) -> None:
+        self._assemble(kind, [quantize_part(weight, kind, activations)])
+
+    @classmethod
+    def from_parts(cls, kind: str, parts: list[tuple[Tensor, Tensor]]) -> QuantizedWeight:
+        """The weight whose output rows are `parts` (of `quantize_part`) stacked in order."""
         _check_kind(kind)
+        self = cls.__new__(cls)
+        self._assemble(kind, parts)
+        return self
+
+    def _assemble(self, kind: str, parts: list[tuple[Tensor, Tensor]]) -> None:
         self.kind = kind
-        self.out_features, self.in_features = weight.shape
+        q = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        self.out_features, self.in_features = q.shape
         if kind == "int8":
-            self.tensors = quantize_rows(weight, activations)
+            scales = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            self.tensors = (q.contiguous(), scales)
         else:
-            self.tensors = pack_int4(*quantize_groups(weight, activations))
+            scales_zeros = torch.cat([p[1] for p in parts], dim=1)
+            self.tensors = pack_int4(q.to(torch.int32), scales_zeros)
 
     def product(self, rows: Tensor) -> Tensor:
         """rows [N, in] (contiguous) -> [N, out] in the rows' dtype."""
         if self.kind == "int8":
             return int8_product(rows, *self.tensors)
         return int4_product(rows, *self.tensors, self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 class QuantizedLinear(nn.Module):
@@ -183,15 +230,21 @@ class QuantizedLinear(nn.Module):
 
     def __init__(
         self,
-        linear: nn.Module,  # nn.Linear, or a packed one of kernels.linear
+        linear: nn.Module | None = None,  # nn.Linear, or a packed one of kernels.linear
         kind: str = "int8",
         activations: torch.dtype | None = None,
+        *,
+        quantized: QuantizedWeight | None = None,  # instead of `linear`: a weight made
+        bias: Tensor | None = None,  # already (loaders quantize tensor by tensor)
     ) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.quantized = QuantizedWeight(linear.weight, kind, activations or linear.weight.dtype)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach())
+        if quantized is None:
+            quantized = QuantizedWeight(linear.weight, kind, activations or linear.weight.dtype)
+            bias = linear.bias
+        self.quantized = quantized
+        self.in_features = quantized.in_features
+        self.out_features = quantized.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @property
     def kind(self) -> str:
@@ -263,10 +316,14 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def choose_activations(
-    kind: str, quantized_s: dict[torch.dtype, float], exact_s: float, dtype: torch.dtype
+    kind: str,
+    quantized_s: dict[torch.dtype, float],
+    exact_s: float,
+    dtype: torch.dtype,
+    require_faster: bool = True,
 ) -> tuple[torch.dtype | None, str]:
     """The activation dtype whose `kind` product is fastest, if it beats the exact `dtype`
-    product (else None), with the figures as the reason."""
+    product or `require_faster` is off (else None), with the figures as the reason."""
     figures = ", ".join(
         [f"{kind} with {_name(a)} activations {s * 1e6:.0f} us" for a, s in quantized_s.items()]
         + [f"exact {_name(dtype)} {exact_s * 1e6:.0f} us per batch-1 product"]
@@ -277,14 +334,22 @@ def choose_activations(
             fastest,
             f"{kind} weights are faster here with {_name(fastest)} activations ({figures})",
         )
+    if fastest is not None and not require_faster:
+        return (
+            fastest,
+            f"{kind} weights are slower than the exact {_name(dtype)} path on this CPU but "
+            f"kept for their size; fastest with {_name(fastest)} activations ({figures})",
+        )
     return None, (
         f"{kind} weights are slower than the exact {_name(dtype)} path on this CPU "
         f'({figures}); use model.quantization = "none"'
     )
 
 
-def activations_for(kind: str, config, dtype: torch.dtype) -> tuple[torch.dtype | None, str]:
+def activations_for(
+    kind: str, config, dtype: torch.dtype, require_faster: bool = True
+) -> tuple[torch.dtype | None, str]:
     """`choose_activations` timed on `config`'s widest decoder product (the stacked
     gate/up projection)."""
     timings = time_quantized_products(kind, config.hidden, 2 * config.intermediate, dtype)
-    return choose_activations(kind, *timings, dtype)
+    return choose_activations(kind, *timings, dtype, require_faster)

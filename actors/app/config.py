@@ -49,7 +49,11 @@ class ModelSection(_Section):
     # fp16 = fp16 weights, fp32 activations and accumulation (fp32 models on x86 CPUs)
     linear: Literal["auto", "aten", "onednn", "fp16"] = "auto"
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
-    quantization: Literal["none", "int8", "int4"] = "none"  # weight-only, kernels/quant.py
+    # weight-only (kernels/quant.py): gguf = a GGUF's weights kept as stored, int4 where in
+    # 4-bit blocks (Q4_0/Q4_1/Q4_K), int8 elsewhere; auto = gguf for a quantized GGUF you
+    # give, exact for the embedded model and HF folders (kernels.models.resolve_quantization);
+    # none = exact; int8 / int4 = every linear so, for any model
+    quantization: Literal["auto", "none", "int8", "int4", "gguf"] = "auto"
     # generation defaults: "auto" = the model folder's generation_config.json (if any),
     # "none" = the engine's own, or a folder holding a generation_config.json
     generation_config: str = "auto"

@@ -81,7 +81,7 @@ def memory_plan(cfg: EngineConfig) -> MemoryPlan:
     from kernels.cpu import choose_dtype
     from kernels.device import choose_device
     from kernels.memory_plan import MemoryPlanError, available_memory, plan_memory
-    from kernels.models import load_config
+    from kernels.models import load_config, resolve_quantization
 
     try:
         device, _ = choose_device(mdl.device)
@@ -90,11 +90,10 @@ def memory_plan(cfg: EngineConfig) -> MemoryPlan:
         raise ConfigError(f"model: {exc}") from None
     path = mdl.path or None
     model = load_config(path)
-    quantization = mdl.quantization
-    if quantization == "auto":  # as the runner will resolve it
-        from kernels.models import resolve_quantization
-
-        quantization, _ = resolve_quantization(quantization, path, model, device)
+    try:  # as the runner will resolve it
+        quantization, _ = resolve_quantization(mdl.quantization, path, model, device)
+    except ValueError as exc:
+        raise ConfigError(f"model.quantization: {exc}") from None
     available, available_why = available_memory(device)
     dtype_name = str(dtype).removeprefix("torch.")
     try:
