@@ -42,7 +42,12 @@ SERVE_FLAGS = [
     ),
     ("--max-model-len", "kv.context_len", int, "tokens per request, prompt + output"),
     ("--dtype", "model.dtype", str, "auto | float32 | bfloat16 (auto: bf16 where native)"),
-    ("--quantization", "model.quantization", str, "none | int8 | int4 (weight-only, approximate)"),
+    (
+        "--quantization",
+        "model.quantization",
+        str,
+        "auto | none | int8 | int4 | gguf (weight-only)",
+    ),
     ("--max-num-seqs", "scheduler.max_running_requests", int, "requests decoding at once"),
     ("--chat-template", "server.chat_template", str, "a chat template file (or its text)"),
     (
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             "soak",
             "kv",
             "grammar",
+            "synthetic-gguf",
         ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
@@ -342,6 +348,8 @@ def _bench(args) -> int:
         from actors.bench.kv import main as run
     elif args.what == "grammar":
         from actors.bench.grammar import main as run
+    elif args.what == "synthetic-gguf":
+        from actors.bench.synthetic_gguf import main as run
     else:
         from actors.bench.engine import main as run
     result = run()

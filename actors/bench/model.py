@@ -4,7 +4,9 @@ Prints prefill tokens/s on a 512-token prompt, decode step time at batch 1, 8 an
 realistic context (128 tokens each by default), the share of a decode step spent in the LM
 head, and the same prefill/decode figures for HF transformers (same process, same prompts,
 fp32). Each figure is the best of `--repeats` timed runs after one warm-up run (the dev
-machine is shared; the best run is the least disturbed one).
+machine is shared; the best run is the least disturbed one). Before the timings it prints
+the bytes the loaded weights hold beside the model file's size, and the peak RSS so far;
+`--quantization` loads the model as the runner does for that `model.quantization`.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from actors.bench.bare_executor import bare_executor
 from actors.bench.timing import time_calls
 from kernels.config import ModelConfig
 from kernels.forward_batch import ForwardBatch
-from kernels.models import load_model, resolve_model_source
+from kernels.models import resolve_model_source
 
 
 def _prompts(config: ModelConfig, count: int, length: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     # Ordinary (non-special) token ids; content does not change the arithmetic.
-    ids = torch.randint(1000, min(config.vocab, 200_000), (count, length), generator=gen)
+    low = min(1000, config.vocab // 4)  # a tiny test vocabulary has fewer than 1000 tokens
+    ids = torch.randint(low, min(config.vocab, 200_000), (count, length), generator=gen)
     return [[config.bos_id or 2] + row.tolist()[1:] for row in ids]
 
 
@@ -37,9 +40,10 @@ class _OurEngine:
         rows: int,
         capacity: int,
         linear: str = "aten",
+        lm_head=None,
     ):
         self.rows, self.capacity = rows, capacity
-        self.executor = bare_executor(config, model, rows, capacity, linear=linear)
+        self.executor = bare_executor(config, model, rows, capacity, lm_head=lm_head, linear=linear)
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         n = len(prompts)
@@ -50,14 +54,15 @@ class _OurEngine:
         return self.executor.forward(ForwardBatch.decode(rows, lens, tokens))
 
 
-def bench_ours(config, model, args) -> dict[str, float]:
+def bench_ours(config, model, args, lm_head=None) -> dict[str, float]:
     results: dict[str, float] = {}
     engine = _OurEngine(
         config,
         model,
         max(args.batches),
         max(args.prefill_len, args.context + 64),
-        args.linear,
+        "aten" if lm_head is not None else args.linear,
+        lm_head,
     )
     print(f"linear layout {engine.executor.linear}: {engine.executor.linear_reason}")
     prompt = _prompts(config, 1, args.prefill_len, seed=0)
@@ -146,6 +151,36 @@ def _print(label: str, results: dict[str, float], args) -> None:
         print(line, flush=True)
 
 
+def _load(args, dtype):
+    """(config, model, lm_head or None, quantization label) as the runner loads them."""
+    from kernels.models import load_for
+
+    config, model, lm_head, mode, why = load_for(
+        args.model, dtype, args.quantization, require_faster=False
+    )
+    if mode != "none":
+        print(f"quantization {mode}: {why}", flush=True)
+    return config, model, lm_head, "" if mode == "none" else mode
+
+
+def _print_memory(args, model, lm_head) -> None:
+    """The loaded weights' bytes beside the model file's, and the process's peak RSS."""
+    import resource
+
+    from kernels.memory_plan import measured_weight_bytes
+
+    _, source = resolve_model_source(args.model)
+    files = [source] if source.is_file() else list(source.glob("*.safetensors"))
+    on_disk = sum(f.stat().st_size for f in files)
+    held = measured_weight_bytes(model, lm_head)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(
+        f"weights in memory {held / 2**20:.1f} MiB (model files {on_disk / 2**20:.1f} MiB, "
+        f"{held / on_disk:.2f}x); peak RSS so far {peak / 2**20:.0f} MiB",
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF or HF folder (default: embedded)")
@@ -161,6 +196,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=["auto", "aten", "onednn", "fp16"],
         default="auto",
         help="weight layout of the linears and LM head (model.linear; auto as the runner)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=["auto", "none", "int8", "int4"],
+        default="none",
+        help="model.quantization as the runner resolves it (auto keeps a quantized GGUF so)",
     )
     parser.add_argument(
         "--profile",
@@ -179,13 +220,11 @@ def main(argv: list[str] | None = None) -> None:
     }[args.dtype]
     with torch.inference_mode():
         for dtype in dtypes:
-            config, model = load_model(args.model, dtype)
-            _print(
-                f"kvactor {str(dtype).removeprefix('torch.')}",
-                bench_ours(config, model, args),
-                args,
-            )
-            del model
+            config, model, lm_head, mode = _load(args, dtype)
+            _print_memory(args, model, lm_head)
+            label = f"kvactor {str(dtype).removeprefix('torch.')}" + (f", {mode}" if mode else "")
+            _print(label, bench_ours(config, model, args, lm_head), args)
+            del model, lm_head
     if not args.no_hf:
         _print("hf transformers float32", bench_hf(args), args)
 

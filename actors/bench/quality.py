@@ -1,9 +1,10 @@
 """`bin/engine bench quality`: what a weight mode costs in accuracy, against exact fp32.
 
-For each mode (`--modes fp32,fp16,bf16,int8,int4`: dtype, weight layout and quantization of
-the runner; fp16 is an fp32 model with fp16 weights (`model.linear = "fp16"`); int8 and int4
-run in the dtype `model.dtype = auto` picks here, their products with the activation dtype
-the runner's timing picks) it reports:
+For each mode (`--modes fp32,fp16,bf16,int8,int4,gguf`: dtype, weight layout and
+quantization of the runner; fp16 is an fp32 model with fp16 weights (`model.linear =
+"fp16"`); int8, int4 and gguf (a quantized GGUF kept as stored: what `model.quantization =
+"auto"` runs for one) run in the dtype `model.dtype = auto` picks here, their products with
+the activation dtype the runner's timing picks) it reports:
 
 * perplexity of the model on a fixed English text (`--tokens` tokens in windows of
   `--window`, every position scored given the window before it; with `--llama-cpp-windows`
@@ -33,21 +34,18 @@ from actors.bench.timing import time_calls
 def build(mode: str, path: str | None, rows: int, capacity: int):
     from actors.bench.bare_executor import bare_executor
     from kernels.cpu import choose_dtype
-    from kernels.models import load_model, quantize_model
-    from kernels.quant import QUANTIZATIONS, activations_for
+    from kernels.models import PLAN_KINDS, load_for
 
-    if mode in QUANTIZATIONS:
+    if mode in PLAN_KINDS:  # int8, int4, gguf: in the dtype the runner's auto picks here
         dtype, _ = choose_dtype("auto")
     else:
         dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-    config, model = load_model(path, dtype)
+    # as the runner loads it: the activation dtype its timing picks for each kind
+    config, model, head, _, why = load_for(path, dtype, mode, require_faster=False)
     if mode == "fp16":
         return bare_executor(config, model, rows, capacity, validate=False, linear="fp16")
-    head = None
-    if mode in QUANTIZATIONS:  # as the runner does: the activation dtype its timing picks
-        activations, why = activations_for(mode, config, dtype)
+    if head is not None:
         print(f"{mode}: {why}", flush=True)
-        head = quantize_model(model, config, activations or dtype, mode)
     return bare_executor(config, model, rows, capacity, lm_head=head, validate=False)
 
 

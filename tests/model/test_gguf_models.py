@@ -20,6 +20,7 @@ from kernels.layers import rope_inv_freq
 from kernels.models import (
     PLAN_KINDS,
     load_config,
+    load_for,
     load_model,
     load_quantized_model,
     resolve_quantization,
@@ -281,3 +282,28 @@ def test_llama3_rope_is_read_from_the_rope_freqs_tensor():
     assert llama3_rope(divisors, 500000.0, 64) == spec
     with pytest.raises(UnsupportedModelError, match="rope_freqs"):
         llama3_rope(np.linspace(1.0, 8.0, 32, dtype=np.float32), 500000.0, 64)
+
+
+def test_a_synthetic_q4_k_m_gguf_loads_as_stored_and_benches(tmp_path, capsys):
+    """`bench synthetic-gguf` writes a real model's layout (here its tiny shape) in
+    llama.cpp's Q4_K_M mix; auto keeps it as stored and `bench model` reports its size."""
+    from actors.bench import model as bench_model
+    from actors.bench.synthetic_gguf import SHAPES, write
+
+    path = tmp_path / "synthetic.gguf"
+    write(str(path), SHAPES["tiny"])
+    config, model, head, mode, why = load_for(path, torch.bfloat16, "auto")
+    assert mode == "gguf" and "Q4_K" in why and "Q6_K" in why
+    # Q4_K_M: layer 1 has Q6_K attn_v and ffn_down (use_more_bits), layer 0 only Q4_K
+    kinds = [
+        (layer.self_attn.qkv_proj.kind, layer.mlp.down_proj.kind, layer.mlp.gate_up_proj.kind)
+        for layer in model.layers
+    ]
+    assert kinds == [("int4", "int4", "int4"), ("int8", "int8", "int4")]
+    assert head.plan  # the Q6_K output is an int8 head
+    bench_model.main(
+        ["--model", str(path), "--quantization", "auto", "--dtype", "bf16", "--no-hf"]
+        + ["--batches", "1", "--context", "16", "--prefill-len", "16", "--repeats", "1"]
+    )
+    out = capsys.readouterr().out
+    assert "quantization gguf" in out and "weights in memory" in out and "decode batch  1" in out
