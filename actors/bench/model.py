@@ -12,6 +12,7 @@ the bytes the loaded weights hold beside the model file's size, and the peak RSS
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -220,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     }[args.dtype]
     with torch.inference_mode():
         for dtype in dtypes:
+            start = time.perf_counter()
             config, model, lm_head, mode = _load(args, dtype)
+            print(f"loaded in {time.perf_counter() - start:.1f} s", flush=True)
             _print_memory(args, model, lm_head)
             label = f"kvactor {str(dtype).removeprefix('torch.')}" + (f", {mode}" if mode else "")
             _print(label, bench_ours(config, model, args, lm_head), args)

@@ -41,7 +41,8 @@ def build(mode: str, path: str | None, rows: int, capacity: int):
     else:
         dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     # as the runner loads it: the activation dtype its timing picks for each kind
-    config, model, head, _, why = load_for(path, dtype, mode, require_faster=False)
+    quantization = mode if mode in PLAN_KINDS else "none"
+    config, model, head, _, why = load_for(path, dtype, quantization, require_faster=False)
     if mode == "fp16":
         return bare_executor(config, model, rows, capacity, validate=False, linear="fp16")
     if head is not None:

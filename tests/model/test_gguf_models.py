@@ -307,3 +307,15 @@ def test_a_synthetic_q4_k_m_gguf_loads_as_stored_and_benches(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "quantization gguf" in out and "weights in memory" in out and "decode batch  1" in out
+
+
+def test_bench_quality_builds_each_mode(ggufs):
+    """`bench quality --modes fp32,gguf,int8`: each mode's executor as the runner loads it."""
+    from actors.bench.quality import build
+
+    path = ggufs("llama", "bpe", "Q4_K")["gguf_path"]
+    kinds = {}
+    for mode in ("fp32", "gguf", "int8"):
+        executor = build(mode, path, 1, 32)
+        kinds[mode] = {m.kind for m in executor.model.modules() if isinstance(m, QuantizedLinear)}
+    assert kinds == {"fp32": set(), "gguf": {"int4"}, "int8": {"int8"}}
