@@ -89,7 +89,10 @@ def memory_plan(cfg: EngineConfig) -> MemoryPlan:
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
     path = mdl.path or None
-    model = load_config(path)
+    try:  # a model that cannot be read fails the start here, naming why
+        model = load_config(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path {path or '(the embedded model)'}: {exc}") from None
     try:  # as the runner will resolve it
         quantization, _ = resolve_quantization(mdl.quantization, path, model, device)
     except ValueError as exc:

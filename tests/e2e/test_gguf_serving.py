@@ -115,3 +115,49 @@ def test_an_exact_gguf_is_served_token_for_token_as_loaded_offline(mistral_q8):
     rendered = tokenizer.render_chat(CHAT)
     assert rendered.startswith("<s>[INST] You answer briefly.")
     assert chat.usage.prompt_tokens == len(tokenizer.encode_chat(CHAT))
+
+
+def test_a_qwen3_gguf_answers_chat_with_its_template(tmp_path):
+    """Qwen3 (q/k norms, head_dim 128) in llama.cpp's Q4_K_M mix: int4 and int8 linears."""
+    info = write_tiny_gguf(tmp_path / "tiny-qwen3.gguf", "qwen3", "Q4_K_M", save_hf=False)
+    server = _serve(info["gguf_path"])
+    try:
+        client = _client(server)
+        chat = client.chat.completions.create(
+            model="tiny-qwen3", messages=CHAT, max_tokens=6, temperature=0
+        )
+        tokenizer = load_tokenizer(info["gguf_path"])
+        assert chat.usage.prompt_tokens == len(tokenizer.encode_chat(CHAT))
+        assert chat.usage.completion_tokens >= 1
+        assert '"quantization": "gguf"' in server.log_path.read_text()
+    finally:
+        stop_server(server)
+
+
+def test_an_unsupported_gguf_fails_at_start_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    import gguf
+    import numpy as np
+
+    from tests.e2e.server_fixtures import ROOT
+
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(path, "phi3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    res = subprocess.run(
+        [sys.executable, "-m", "actors.app.cli", "serve", str(path), "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode != 0
+    assert "GGUF architecture 'phi3' is not supported; supported: gemma3, llama" in res.stderr
+    assert "Traceback" not in res.stderr
