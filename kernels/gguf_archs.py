@@ -212,11 +212,24 @@ def _special_ids(meta: Metadata, extra_eos: tuple[str, ...]) -> dict[str, Any]:
     }
 
 
-def _gemma3_config(meta: Metadata) -> ModelConfig:
+def _shapes(meta: Metadata) -> dict[str, Any]:
+    """The ModelConfig fields every architecture reads alike from `{arch}.*` keys."""
     hidden = int(meta.arch_key("embedding_length"))
     num_heads = int(meta.arch_key("attention.head_count"))
-    head_dim = int(meta.arch_key("attention.key_length", hidden // num_heads))
-    num_layers = int(meta.arch_key("block_count"))
+    return {
+        "num_layers": int(meta.arch_key("block_count")),
+        "hidden": hidden,
+        "num_heads": num_heads,
+        "num_kv_heads": int(meta.arch_key("attention.head_count_kv", num_heads)),
+        "head_dim": int(meta.arch_key("attention.key_length", hidden // num_heads)),
+        "intermediate": int(meta.arch_key("feed_forward_length")),
+        "vocab": meta.vocab_size,
+    }
+
+
+def _gemma3_config(meta: Metadata) -> ModelConfig:
+    shapes = _shapes(meta)
+    num_layers, head_dim = shapes["num_layers"], shapes["head_dim"]
     rope_kind = meta.arch_key("rope.scaling.type", "none")
     rope_factor = float(meta.arch_key("rope.scaling.factor", 1.0))
     global_kind = "linear" if rope_kind == "linear" and rope_factor != 1.0 else "default"
@@ -227,13 +240,7 @@ def _gemma3_config(meta: Metadata) -> ModelConfig:
     )
     return ModelConfig(
         arch="gemma3",
-        num_layers=num_layers,
-        hidden=hidden,
-        num_heads=num_heads,
-        num_kv_heads=int(meta.arch_key("attention.head_count_kv", num_heads)),
-        head_dim=head_dim,
-        intermediate=int(meta.arch_key("feed_forward_length")),
-        vocab=meta.vocab_size,
+        **shapes,
         rope=rope,
         rope_local=RopeSpec(theta=GEMMA3_ROPE_LOCAL_THETA),
         layer_types=gemma3_layer_types(num_layers, GEMMA3_SLIDING_PATTERN),
@@ -256,9 +263,8 @@ def _gemma3_config(meta: Metadata) -> ModelConfig:
 
 def _llama_family_config(meta: Metadata) -> ModelConfig:
     arch = meta.arch
-    hidden = int(meta.arch_key("embedding_length"))
-    num_heads = int(meta.arch_key("attention.head_count"))
-    head_dim = int(meta.arch_key("attention.key_length", hidden // num_heads))
+    shapes = _shapes(meta)
+    num_layers, head_dim = shapes["num_layers"], shapes["head_dim"]
     if int(meta.arch_key("attention.value_length", head_dim)) != head_dim:
         raise UnsupportedModelError("GGUF with key_length != value_length is not supported")
     rotary_dims = int(meta.arch_key("rope.dimension_count", head_dim))
@@ -266,18 +272,11 @@ def _llama_family_config(meta: Metadata) -> ModelConfig:
         raise UnsupportedModelError(
             f"partial rotary embeddings ({rotary_dims} of {head_dim} dims) are not supported"
         )
-    num_layers = int(meta.arch_key("block_count"))
     names = meta.tensor_names()
     rope = _llama_family_rope(meta, head_dim)
     return ModelConfig(
         arch=arch,
-        num_layers=num_layers,
-        hidden=hidden,
-        num_heads=num_heads,
-        num_kv_heads=int(meta.arch_key("attention.head_count_kv", num_heads)),
-        head_dim=head_dim,
-        intermediate=int(meta.arch_key("feed_forward_length")),
-        vocab=meta.vocab_size,
+        **shapes,
         rope=rope,
         rope_local=rope,
         layer_types=("full_attention",) * num_layers,

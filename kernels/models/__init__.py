@@ -46,13 +46,18 @@ def build_model(config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dt
     state = {name: t if t.dtype == dtype else t.to(dtype) for name, t in weights.items()}
     state = stack_projections(state)
     expected = set(model.state_dict())
-    missing, unexpected = expected - set(state), set(state) - expected
+    return _bound(model, config, state, expected - set(state), set(state) - expected)
+
+
+def _bound(model: nn.Module, config: ModelConfig, state, missing, unexpected) -> nn.Module:
+    """`model` (on the meta device) with `state` assigned, in eval mode without grads; a
+    ValueError naming what does not fit when anything is `missing` or `unexpected`."""
     if missing or unexpected:
         raise ValueError(
             f"weights do not fit {config.arch}: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
         )
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=False, assign=True)
     model.requires_grad_(False)
     return model.eval()
 
@@ -205,14 +210,7 @@ def build_quantized_model(
     own = model.state_dict()
     missing = {n for n, t in own.items() if t.is_meta} - set(state)
     unexpected = (set(state) - set(own)) | {f"{n}.weight" for n in parts}
-    if missing or unexpected:
-        raise ValueError(
-            f"weights do not fit {config.arch}: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
-    model.load_state_dict(state, strict=False, assign=True)
-    model.requires_grad_(False)
-    return model.eval()
+    return _bound(model, config, state, missing, unexpected)
 
 
 def _joined(parts, activations: dict[str, torch.dtype]):

@@ -12,7 +12,7 @@ from openai import OpenAI
 from kernels.models import load_model
 from kernels.tokenizer_loader import load_tokenizer
 from tests.e2e.server_fixtures import start_server, stop_server
-from tests.model.gguf_fixtures import write_tiny_gguf
+from tests.model.gguf_fixtures import write_foreign_gguf, write_tiny_gguf
 from tests.model.model_fixtures import GreedyRunner, make_executor
 
 pytestmark = [pytest.mark.model]
@@ -138,19 +138,9 @@ def test_an_unsupported_gguf_fails_at_start_naming_it(tmp_path):
     import subprocess
     import sys
 
-    import gguf
-    import numpy as np
-
     from tests.e2e.server_fixtures import ROOT
 
-    path = tmp_path / "phi.gguf"
-    writer = gguf.GGUFWriter(path, "phi3")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_foreign_gguf(tmp_path / "phi.gguf")
     res = subprocess.run(
         [sys.executable, "-m", "actors.app.cli", "serve", str(path), "--port", "0"],
         cwd=ROOT,

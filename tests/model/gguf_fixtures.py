@@ -754,3 +754,17 @@ def dequantized_model(info: dict):
             values = gguf.quants.dequantize(quantize_tensor(array, qtype), qtype)
             param.copy_(torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(array.shape)))
     return model
+
+
+def write_foreign_gguf(path: str | Path, arch: str = "phi3") -> Path:
+    """A minimal GGUF of an architecture kvactor does not serve (one block count, one
+    embedding tensor): enough for a loader to read its metadata and refuse it."""
+    path = Path(path)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

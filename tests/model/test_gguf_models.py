@@ -27,7 +27,7 @@ from kernels.models import (
 )
 from kernels.quant import QuantizedLinear
 from kernels.tokenizer_loader import load_tokenizer
-from tests.model.gguf_fixtures import dequantized_model, write_tiny_gguf
+from tests.model.gguf_fixtures import dequantized_model, write_foreign_gguf, write_tiny_gguf
 from tests.model.model_fixtures import GreedyRunner, make_executor
 
 pytestmark = pytest.mark.model
@@ -237,16 +237,7 @@ def test_resolve_quantization_rules(ggufs):
 
 
 def test_an_unsupported_architecture_is_refused_naming_it(tmp_path):
-    import gguf
-
-    path = tmp_path / "phi.gguf"
-    writer = gguf.GGUFWriter(path, "phi3")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_foreign_gguf(tmp_path / "phi.gguf")
     with pytest.raises(UnsupportedModelError, match="'phi3' is not supported.*llama, qwen2"):
         read_gguf_config(path)
 
