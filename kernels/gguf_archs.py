@@ -7,9 +7,10 @@ Supported: `gemma3`, and the Llama family `llama` (Llama 2/3.x, Mistral, SmolLM)
 value out, the default is the one llama.cpp and transformers' GGUF loader assume.
 
 What the converter changed, and how we read it back:
-  * Gemma norms are stored as `1 + w` (the model multiplies by `1 + w`): we subtract 1.
+  * Gemma norms are stored as `1 + w` (the model multiplies by `1 + w`): we subtract 1
+    (`value_fixup`).
   * Llama's q and k rows are permuted (`LlamaModel.permute`: each head's rotary halves
-    interleaved, for llama.cpp's rotate-adjacent RoPE): `unpermute_rows` restores HF's order.
+    interleaved, for llama.cpp's rotate-adjacent RoPE): `row_order` gives HF's order.
     Qwen2/Qwen3 were converted without the permutation.
   * Llama 3.1+ carry their RoPE scaling as a `rope_freqs` tensor (a divisor per frequency),
     not as metadata: `llama3_rope` derives the scaling it encodes and checks it.
@@ -63,8 +64,8 @@ GLOBAL_NAMES: dict[str, str] = {
 # Tensors that configure the model rather than hold parameters.
 CONFIG_TENSORS = ("rope_freqs.weight",)
 
-# Tokens that end a generation when the vocabulary has them as control tokens (llama.cpp's
-# end-of-generation list: Llama 3's turn and message ends, ChatML's, Gemma's, Phi's...).
+# Tokens that end a generation when the vocabulary has them (llama.cpp's end-of-generation
+# list: Llama 3's turn and message ends, ChatML's, Gemma's, Phi's...).
 END_OF_GENERATION_TEXTS = (
     "<|eot_id|>",
     "<|eom_id|>",
@@ -75,7 +76,6 @@ END_OF_GENERATION_TEXTS = (
     "<end_of_turn>",
     "<EOT>",
 )
-_CONTROL_TOKEN = 3  # llama.cpp's token type of special (control) tokens
 
 
 def param_name(arch: str, gguf_name: str) -> str | None:
@@ -115,17 +115,12 @@ def row_order(config: ModelConfig, name: str, rows: int) -> np.ndarray | None:
     return None
 
 
-def tensor_fixup(arch: str, config: ModelConfig) -> Callable[[str, np.ndarray], np.ndarray]:
-    """The function that turns a dequantized GGUF tensor (fp32, our name) into the
-    checkpoint's tensor: undoes the norm offset (Gemma) or the q/k permutation (Llama)."""
-
-    def fix(name: str, array: np.ndarray) -> np.ndarray:
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            return array - np.float32(1.0)  # GGUF stores 1 + w; the model computes (1 + w)
-        order = row_order(config, name, array.shape[0])
-        return array if order is None else array[order]
-
-    return fix
+def value_fixup(arch: str, name: str) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The element-wise change that turns a dequantized GGUF tensor (fp32, our name) into
+    the checkpoint's: Gemma's norms are stored as 1 + w; None where there is none."""
+    if arch == "gemma3" and name.endswith("norm.weight"):
+        return lambda array: array - np.float32(1.0)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,27 +140,34 @@ class Metadata:
     def arch_key(self, name: str, default: Any = None) -> Any:
         return self.get(f"{self.arch}.{name}", default)
 
+    def required(self, name: str) -> Any:
+        """`{arch}.{name}`, which every file of the architecture has; refused when absent."""
+        value = self.arch_key(name)
+        if value is None:
+            raise UnsupportedModelError(f"the GGUF lacks {self.arch}.{name}")
+        return value
+
     def token_id(self, key: str) -> int | None:
         value = self.get(f"tokenizer.ggml.{key}")
         return None if value is None else int(value)
 
     @property
-    def vocab_size(self) -> int:
-        return len(self.reader.fields["tokenizer.ggml.tokens"].data)
+    def tokens(self):
+        field = self.reader.fields.get("tokenizer.ggml.tokens")
+        if field is None:
+            raise UnsupportedModelError("the GGUF has no vocabulary (tokenizer.ggml.tokens)")
+        return field
 
-    def control_token_ids(self, texts: tuple[str, ...]) -> list[int]:
-        """Ids of the control tokens whose text is in `texts`, in vocabulary order."""
-        tokens = self.reader.fields["tokenizer.ggml.tokens"]
-        types = self.reader.fields.get("tokenizer.ggml.token_type")
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens.data)
+
+    def token_ids(self, texts: tuple[str, ...]) -> list[int]:
+        """Ids of the tokens whose text is in `texts`, in vocabulary order (llama.cpp marks
+        them end-of-generation whatever type the file gave them)."""
+        tokens = self.tokens
         wanted = {t.encode() for t in texts}
-        found = []
-        if types is None:
-            return found
-        kinds = np.asarray([types.parts[i][0] for i in types.data])
-        for i in np.flatnonzero(kinds == _CONTROL_TOKEN):
-            if bytes(tokens.parts[tokens.data[i]]) in wanted:
-                found.append(int(i))
-        return found
+        return [i for i, part in enumerate(tokens.data) if bytes(tokens.parts[part]) in wanted]
 
     def tensor_names(self) -> set[str]:
         return {t.name for t in self.reader.tensors}
@@ -179,11 +181,36 @@ def read_config(reader) -> ModelConfig:
             f"GGUF architecture {meta.arch!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_GGUF_ARCHS)}"
         )
+    if int(meta.arch_key("expert_count", 0) or 0) > 0:
+        raise UnsupportedModelError(
+            f"mixture-of-experts GGUFs ({meta.arch}.expert_count = "
+            f"{meta.arch_key('expert_count')}) are not supported"
+        )
     config = _gemma3_config(meta) if meta.arch == "gemma3" else _llama_family_config(meta)
+    _check_tensors(reader, config)
     config.extra.update(
         source="gguf", name=meta.get("general.name"), weight_types=weight_types(reader)
     )
     return config
+
+
+def _check_tensors(reader, config: ModelConfig) -> None:
+    """Refuse, at start, a tensor that is no part of the model and an embedding whose rows
+    are not the vocabulary."""
+    for tensor in reader.tensors:
+        try:
+            param_name(config.arch, tensor.name)
+        except KeyError:
+            raise UnsupportedModelError(
+                f"GGUF tensor {tensor.name!r} is not part of a {config.arch} model kvactor runs"
+            ) from None
+        if tensor.name == "token_embd.weight":
+            rows, cols = (int(d) for d in reversed(tensor.shape))
+            if (rows, cols) != (config.vocab, config.hidden):
+                raise UnsupportedModelError(
+                    f"token_embd.weight is {rows} x {cols}, not the vocabulary's {config.vocab}"
+                    f" tokens x hidden {config.hidden}"
+                )
 
 
 def weight_types(reader) -> dict[str, int]:
@@ -202,7 +229,7 @@ def _special_ids(meta: Metadata, extra_eos: tuple[str, ...]) -> dict[str, Any]:
         token = meta.token_id(key)
         if token is not None and token not in eos_ids:
             eos_ids.append(token)
-    for token in meta.control_token_ids(extra_eos):
+    for token in meta.token_ids(extra_eos):
         if token not in eos_ids:
             eos_ids.append(token)
     return {
@@ -214,15 +241,15 @@ def _special_ids(meta: Metadata, extra_eos: tuple[str, ...]) -> dict[str, Any]:
 
 def _shapes(meta: Metadata) -> dict[str, Any]:
     """The ModelConfig fields every architecture reads alike from `{arch}.*` keys."""
-    hidden = int(meta.arch_key("embedding_length"))
-    num_heads = int(meta.arch_key("attention.head_count"))
+    hidden = int(meta.required("embedding_length"))
+    num_heads = int(meta.required("attention.head_count"))
     return {
-        "num_layers": int(meta.arch_key("block_count")),
+        "num_layers": int(meta.required("block_count")),
         "hidden": hidden,
         "num_heads": num_heads,
         "num_kv_heads": int(meta.arch_key("attention.head_count_kv", num_heads)),
         "head_dim": int(meta.arch_key("attention.key_length", hidden // num_heads)),
-        "intermediate": int(meta.arch_key("feed_forward_length")),
+        "intermediate": int(meta.required("feed_forward_length")),
         "vocab": meta.vocab_size,
     }
 

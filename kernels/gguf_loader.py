@@ -8,7 +8,7 @@ Owns:
     cannot be read is refused there, at start.
   * `iter_gguf_weights()`: tensor by tensor, dequantized (every type `gguf.quants` reads:
     Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16...) into the dtype asked for, renamed to our
-    parameter names, with the converter's changes undone (`gguf_archs.tensor_fixup`). A
+    parameter names, with the converter's changes undone (`gguf_archs.row_order`, `value_fixup`). A
     quantizing loader consumes it one tensor at a time, so the whole model never exists in
     fp32 (`kernels.models.load_model`).
   * `load_gguf_weights()`: all of them as a dict; a small model's fp32 copy is cached as
@@ -25,14 +25,14 @@ import mmap
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kernels.config import ModelConfig, UnsupportedModelError
-from kernels.gguf_archs import param_name, read_config, row_order, tensor_fixup
+from kernels.gguf_archs import param_name, read_config, row_order, value_fixup
 
 if TYPE_CHECKING:  # torch is imported where weights are built: metadata readers stay light
     import torch
@@ -141,9 +141,8 @@ def read_gguf_config(gguf_path: str | Path, reader=None) -> ModelConfig:
     import gguf
 
     reader = reader or gguf.GGUFReader(str(gguf_path))
-    config = read_config(reader)
     check_tensor_types(reader)
-    return config
+    return read_config(reader)
 
 
 def load_gguf_config(gguf_path: str | Path, use_cache: bool = True) -> ModelConfig:
@@ -182,30 +181,65 @@ def check_tensor_types(reader) -> None:
         )
 
 
-def dequantized(tensor, fix: Callable[[str, np.ndarray], np.ndarray], name: str, dtype) -> Tensor:
-    """One GGUF tensor as a `dtype` torch tensor of its logical shape, `fix` applied.
+def _row_blocks(tensor, name: str, config: ModelConfig) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, fp32 rows) of a 2-D GGUF tensor, `_CHUNK_ROWS` at a time, with the
+    converter's changes undone: rows are put in the checkpoint's order while still
+    quantized (a block lies within a row, `gguf_archs.row_order`), then dequantized and
+    fixed element-wise (`value_fixup`)."""
+    from gguf.quants import dequantize
 
-    Row blocks are dequantized `_CHUNK_ROWS` at a time into the result, so a large table
-    (a 128k-token embedding) never exists in fp32 whole; a tensor `fix` permutes (q, k) is
-    smaller than one block and is fixed whole."""
+    fix = value_fixup(config.arch, name)
+    rows = tensor.data.reshape(-1, tensor.data.shape[-1])
+    order = row_order(config, name, rows.shape[0])
+    if order is not None:
+        rows = rows[order]
+    cols = int(tensor.n_elements) // rows.shape[0]
+    for start in range(0, rows.shape[0], _CHUNK_ROWS):
+        block = np.asarray(dequantize(rows[start : start + _CHUNK_ROWS], tensor.tensor_type))
+        block = block.astype(np.float32, copy=False).reshape(-1, cols)
+        if fix:
+            block = fix(block)
+        if not block.flags.writeable:  # a float tensor's rows are the read-only file map
+            block = block.copy()
+        yield start, block
+
+
+def dequantized(tensor, name: str, config: ModelConfig, dtype) -> Tensor:
+    """One GGUF tensor as a `dtype` torch tensor of its logical shape, with the converter's
+    changes undone, filled block by block: a large table (a 128k-token embedding) never
+    exists in fp32 whole."""
     import torch
     from gguf.quants import dequantize
 
     shape = [int(d) for d in reversed(tensor.shape)]
-    data = tensor.data
-    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
-    out = torch.empty((rows.shape[0], int(tensor.n_elements) // rows.shape[0]), dtype=dtype)
-    for start in range(0, rows.shape[0], _CHUNK_ROWS):
-        block = np.asarray(dequantize(rows[start : start + _CHUNK_ROWS], tensor.tensor_type))
-        block = block.astype(np.float32, copy=False).reshape(-1, out.shape[1])
-        if rows.shape[0] <= _CHUNK_ROWS:  # the whole tensor: fixed with its logical shape
-            block = fix(name, block.reshape(shape)).reshape(block.shape)
-        else:
-            block = fix(name, block)  # only element-wise fixes apply to large tables
-        if not block.flags.writeable:  # a float tensor's rows are the read-only file map
-            block = block.copy()
-        out[start : start + block.shape[0]] = torch.from_numpy(np.ascontiguousarray(block))
-    return out.reshape(shape)
+    if tensor.data.ndim == 1:  # a norm or a bias: small, whole
+        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        fix = value_fixup(config.arch, name)
+        values = fix(values) if fix else values
+        order = row_order(config, name, values.shape[0])
+        values = values[order] if order is not None else values.copy()
+        return torch.from_numpy(values.reshape(shape)).to(dtype)
+    out = torch.empty(shape, dtype=dtype)
+    for start, block in _row_blocks(tensor, name, config):
+        out[start : start + block.shape[0]] = torch.from_numpy(block)
+    return out
+
+
+def quantized_int8(tensor, name: str, config: ModelConfig, scale_dtype) -> QuantizedPart:
+    """A 2-D GGUF tensor as an int8 part (`kernels.quant.quantize_rows`), quantized block by
+    block as it is dequantized: not even the one tensor exists in float whole."""
+    import torch
+
+    from kernels.quant import QuantizedPart, quantize_rows
+
+    rows, cols = (int(d) for d in reversed(tensor.shape))
+    q = torch.empty((rows, cols), dtype=torch.int8)
+    scales = torch.empty(rows, dtype=scale_dtype)
+    for start, block in _row_blocks(tensor, name, config):
+        part_q, part_scales = quantize_rows(torch.from_numpy(block), scale_dtype)
+        q[start : start + block.shape[0]] = part_q
+        scales[start : start + block.shape[0]] = part_scales
+    return QuantizedPart("int8", q, scales)
 
 
 def iter_gguf_weights(
@@ -213,14 +247,15 @@ def iter_gguf_weights(
     config: ModelConfig | None = None,
     dtype=None,
     reader=None,
-    int4_scales=None,
-    linear_dtype=None,
+    quantize: dict | None = None,
 ) -> Iterator[tuple[str, Tensor | QuantizedPart]]:
     """(parameter name, tensor in `dtype`, default float32) for every weight of a GGUF, in
-    file order, dequantized one tensor at a time with the converter's changes undone;
-    decoder linears in `linear_dtype` when given (a quantizing loader wants them float32).
-    With `int4_scales` (a dtype), decoder linears stored in a 4-bit type come as int4
-    `QuantizedPart`s instead, read straight from their blocks (`kernels.gguf_int4`)."""
+    file order, dequantized one tensor at a time with the converter's changes undone.
+
+    `quantize` (a quantizing loader's plan: kind -> the dtype of its scales) makes the
+    decoder linears and an untied LM head come as `QuantizedPart`s: int4 read straight from
+    4-bit blocks (`kernels.gguf_int4`) when the plan has int4, else int8 quantized block by
+    block when it has int8, else float32 tensors for the loader to quantize."""
     import gguf
     import torch
     from tqdm import tqdm
@@ -232,21 +267,23 @@ def iter_gguf_weights(
 
     reader = reader or gguf.GGUFReader(str(gguf_path))
     config = config or read_gguf_config(gguf_path, reader)
-    fix = tensor_fixup(config.arch, config)
+    quantize = quantize or {}
     for tensor in tqdm(reader.tensors, desc="reading GGUF", unit="tensor", file=sys.stderr):
         name = param_name(config.arch, tensor.name)
         if name is None:
             continue
-        direct = int4_scales is not None and tensor.tensor_type.name in INT4_BLOCK_TYPES
-        if direct and decoder_linear(name):
-            codes, scales_zeros = int4_part(tensor, int4_scales)
+        quantizable = quantize and (decoder_linear(name) or name == "lm_head.weight")
+        if quantizable and "int4" in quantize and tensor.tensor_type.name in INT4_BLOCK_TYPES:
+            codes, scales_zeros = int4_part(tensor, quantize["int4"])
             order = row_order(config, name, codes.shape[0])
             if order is not None:
                 codes, scales_zeros = codes[order], scales_zeros[:, order]
             yield name, QuantizedPart("int4", codes, scales_zeros)
+        elif quantizable and "int8" in quantize:
+            yield name, quantized_int8(tensor, name, config, quantize["int8"])
         else:
-            wanted = linear_dtype if linear_dtype and decoder_linear(name) else dtype
-            yield name, dequantized(tensor, fix, name, wanted or torch.float32)
+            wanted = torch.float32 if quantizable else dtype
+            yield name, dequantized(tensor, name, config, wanted or torch.float32)
         _drop_mapped(reader, tensor)
 
 
@@ -295,29 +332,24 @@ def load_gguf_weights(
 
 
 def gguf_weight_stream(
-    gguf_path: str | Path, config: ModelConfig, dtype, int4_scales=None, reader=None
+    gguf_path: str | Path, config: ModelConfig, dtype, quantize: dict, reader=None
 ) -> Iterator[tuple[str, Tensor | QuantizedPart]]:
-    """Weights one at a time for a quantizing loader: decoder linears in float32 (or, with
-    `int4_scales`, 4-bit blocks as int4 parts), the rest in `dtype`. A model small enough
-    to keep a dequantized cache (`load_gguf_weights`) is read from it unless int4 parts are
-    wanted; a larger one from the GGUF."""
-    import torch
-
-    if int4_scales is None and fp32_bytes(config) <= WEIGHT_CACHE_MAX_BYTES:
+    """Weights one at a time for a quantizing loader with plan `quantize`
+    (`iter_gguf_weights`). A model small enough to keep a dequantized cache
+    (`load_gguf_weights`) is read from it, in float32, unless int4 parts are wanted."""
+    if "int4" not in quantize and fp32_bytes(config) <= WEIGHT_CACHE_MAX_BYTES:
         weights = load_gguf_weights(gguf_path)
         while weights:
             yield weights.popitem()  # dropped from the dict as the consumer takes it
     else:
-        yield from iter_gguf_weights(
-            gguf_path, config, dtype, reader, int4_scales, linear_dtype=torch.float32
-        )
+        yield from iter_gguf_weights(gguf_path, config, dtype, reader, quantize)
 
 
 def gguf_head_part(
     gguf_path: str | Path, config: ModelConfig, scale_dtype, reader=None
 ) -> QuantizedPart | None:
-    """The LM head (`output`, or the tied `token_embd`) as an int4 part read from its blocks
-    when it is stored in a 4-bit type; None otherwise."""
+    """A tied LM head (the `token_embd` table) as an int4 part read from its blocks when it
+    is stored in a 4-bit type; None otherwise."""
     import gguf
 
     from kernels.gguf_int4 import int4_part
@@ -325,8 +357,7 @@ def gguf_head_part(
     from kernels.quant_layout import INT4_BLOCK_TYPES
 
     reader = reader or gguf.GGUFReader(str(gguf_path))
-    name = "token_embd.weight" if config.tie_embeddings else "output.weight"
-    tensor = next(t for t in reader.tensors if t.name == name)
+    tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
     if tensor.tensor_type.name not in INT4_BLOCK_TYPES:
         return None
     return QuantizedPart("int4", *int4_part(tensor, scale_dtype))

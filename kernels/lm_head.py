@@ -115,7 +115,8 @@ class LmHead:
             raise ValueError(f"unknown lm_head backend {unknown[0]!r}; choose from {choices}")
         if "fp16" in named and not named <= {"fp16", "onednn"}:
             raise ValueError(f"a plan with fp16 may pair it with onednn only, got {backend}")
-        self.weight = weight.detach().contiguous()
+        # a stand-in of one element (stride 0) beside a quantized weight stays as it is
+        self.weight = weight.detach() if quantized is not None else weight.detach().contiguous()
         self.final_softcap = final_softcap
         self._fp16 = self._pack_fp16() if "fp16" in named else None
         self._numpy_weight = (
@@ -163,6 +164,17 @@ class LmHead:
         if "fp16" not in self.plan.values():
             self._fp16 = None
 
+    def release_exact_weight(self) -> Tensor:
+        """Let go of the full-precision weight of a head whose plan is quantized only (an
+        untied head is not the embedding table: a Llama-8B-sized one is 1 GB in bf16).
+        `weight` keeps its shape, dtype and device over one element; returns that stand-in
+        for the model's own parameter."""
+        if not set(self.plan.values()) <= set(APPROXIMATE_BACKENDS):
+            raise ValueError(f"the lm_head plan {self.plan} still reads the exact weight")
+        self.weight = self.weight.new_zeros(()).expand(self.weight.shape)
+        self._numpy_weight = None
+        return self.weight
+
     @property
     def vocab_size(self) -> int:
         return self.weight.shape[0]
@@ -172,7 +184,7 @@ class LmHead:
         return self.weight.shape[1]
 
     def available_backends(self) -> list[str]:
-        names = ["aten"]
+        names = ["aten"] if self.weight.stride() != (0, 0) else []  # released: no exact one
         if self._packed is not None:
             names.append("onednn")
         if self._numpy_weight is not None:

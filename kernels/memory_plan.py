@@ -170,7 +170,8 @@ def weight_bytes(
     decoder = c.num_layers * layer + c.hidden * d  # + the final norm
     table = c.vocab * c.hidden
     embedding = table * d
-    head = 0 if c.tie_embeddings else table * d
+    # an untied head's float weight is released once its quantized copy is made
+    head = 0 if c.tie_embeddings or quantized else table * d
     if quantized:
         head += linear_bytes(c.vocab, c.hidden, d, quantization, activation_bytes)
     elif linear == "fp16":

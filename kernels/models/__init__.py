@@ -25,7 +25,7 @@ from kernels.config import ModelConfig
 from kernels.lm_head import LmHead
 from kernels.models.gemma3 import Gemma3ForCausalLM
 from kernels.models.llama import LlamaForCausalLM
-from kernels.quant import QuantizedWeight, quantize_linears
+from kernels.quant import QuantizedPart, QuantizedWeight, quantize_linears
 from kernels.quant_layout import AS_STORED
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -120,27 +120,33 @@ def load_quantized_model(
 
     kind, source = resolve_model_source(path)
     config = load_gguf_config(source) if kind == "gguf" else read_hf_config(source)
-    int4_scales = activations.get("int4")
+    head_part = None
     if kind == "gguf":
         import gguf
 
         reader = gguf.GGUFReader(str(source))  # parsed once: a large vocabulary takes seconds
-        tensors = gguf_weight_stream(source, config, dtype, int4_scales, reader)
-        head_part = gguf_head_part(source, config, int4_scales, reader) if int4_scales else None
+        tensors = gguf_weight_stream(source, config, dtype, activations, reader)
+        if config.tie_embeddings and "int4" in activations:
+            head_part = gguf_head_part(source, config, activations["int4"], reader)
     else:
         tensors = iter_hf_weights(source, config, torch.float32)
-        head_part = None
-    model = build_quantized_model(config, tensors, dtype, activations)
-    head_kind = "int4" if head_part is not None or "int8" not in activations else "int8"
+    model, untied_part = build_quantized_model(config, tensors, dtype, activations)
+    head_part = head_part or untied_part
+    if head_part is None:  # the head is quantized from its float weight
+        head_kind = "int8" if "int8" in activations else "int4"
+        quantized = None
+    else:
+        head_kind = head_part.kind
+        quantized = QuantizedWeight.from_parts(head_kind, [(head_part.q, head_part.scales)])
     lm_head = LmHead(
         model.lm_head_weight,
         config.final_logit_softcap,
         backend=head_kind,
         quantized_activations=activations[head_kind],
-        quantized=None
-        if head_part is None
-        else QuantizedWeight.from_parts("int4", [(head_part.q, head_part.scales)]),
+        quantized=quantized,
     )
+    if not config.tie_embeddings:  # the quantized head is the only one used: the float goes
+        model.lm_head.weight = nn.Parameter(lm_head.release_exact_weight(), requires_grad=False)
     return config, model, lm_head
 
 
@@ -149,14 +155,16 @@ def build_quantized_model(
     tensors,  # iterable of (checkpoint name, float tensor or QuantizedPart), one at a time
     dtype: torch.dtype,
     activations: dict[str, torch.dtype],
-) -> nn.Module:
-    """`build_model` for a quantized model (`load_quantized_model`'s plan): each decoder
-    linear weight is quantized when it arrives (`quantize_part`; a `QuantizedPart` as it
-    is) and its float tensor dropped, so peak memory is the quantized model plus one float
-    tensor. Stacked projections join their parts' rows: int4 when every part is, else int8
-    (int4 parts widened to int8 exactly, their grid being coarser)."""
+) -> tuple[nn.Module, QuantizedPart | None]:
+    """`build_model` for a quantized model (`load_quantized_model`'s plan), and the LM
+    head's `QuantizedPart` when it arrived quantized (its parameter is then a one-element
+    stand-in). Each decoder linear weight is quantized when it arrives (`quantize_part`; a
+    `QuantizedPart` as it is) and its float tensor dropped, so peak memory is the quantized
+    model plus one float tensor. Stacked projections join their parts' rows: int4 when
+    every part is, else int8 (int4 parts re-quantized to int8 per output row: not lossless,
+    since int8 has one scale a row where the int4 blocks had one per 32 weights)."""
     from kernels.linear import STACKED_PROJECTIONS, decoder_linear, stack_projections
-    from kernels.quant import QuantizedLinear, QuantizedPart, quantize_part
+    from kernels.quant import QuantizedLinear, quantize_part
 
     with torch.device("meta"):
         model = MODEL_CLASSES[config.arch](config)
@@ -168,11 +176,16 @@ def build_quantized_model(
             names = [f"{parent}.{p}" for p in STACKED_PROJECTIONS.get(leaf, (leaf,))]
             fused_of.update({n: (fused_name, names) for n in names})
     float_kind = "int8" if "int8" in activations else next(iter(activations))
+    head_part = None
     parts: dict[str, QuantizedPart] = {}
     joined: dict[str, object] = {}  # fused linear -> its QuantizedWeight, once complete
     state: dict[str, Tensor] = {}
     for name, tensor in tensors:
         module = decoder_linear(name)
+        if name == "lm_head.weight" and isinstance(tensor, QuantizedPart):
+            head_part = tensor
+            state[name] = torch.zeros((), dtype=dtype).expand(config.vocab, config.hidden)
+            continue
         if module is None:
             if isinstance(tensor, QuantizedPart):
                 raise ValueError(f"{name} arrived quantized as {tensor.kind}")
@@ -210,7 +223,7 @@ def build_quantized_model(
     own = model.state_dict()
     missing = {n for n, t in own.items() if t.is_meta} - set(state)
     unexpected = (set(state) - set(own)) | {f"{n}.weight" for n in parts}
-    return _bound(model, config, state, missing, unexpected)
+    return _bound(model, config, state, missing, unexpected), head_part
 
 
 def _joined(parts, activations: dict[str, torch.dtype]):
@@ -255,9 +268,10 @@ def resolve_quantization(
 
     auto keeps a quantized GGUF the user gives quantized, tensor by tensor, as close to how
     it is stored as our kernels allow ("gguf"): 4-bit blocks (Q4_0, Q4_1, Q4_K) become int4
-    losslessly; every other type int8 (from 5 bits up int8 is within rounding of the stored
-    weight, while 4 bits would lose a bit: measured in docs/benchmarks.md). The embedded
-    model, float GGUFs and HF folders run exact."""
+    losslessly; every other type int8 per output channel, the finer of the two layouts the
+    kernels have (not lossless either: one scale a row where the file had one per block;
+    its cost is measured in docs/benchmarks.md). The embedded model, float GGUFs and HF
+    folders run exact."""
     if requested == AS_STORED and config.extra.get("source") != "gguf":
         raise ValueError(f'quantization = "{AS_STORED}" keeps a GGUF\'s own; this is no GGUF')
     if requested != "auto":

@@ -160,6 +160,9 @@ def test_four_bit_blocks_stay_int4_without_loss(ggufs, weight_type):
     logits, outputs = _run(config, quantized, head)
     torch.testing.assert_close(logits, exact, atol=1e-4, rtol=1e-4)
     assert outputs == exact_out
+    # the untied head's float weight was released: only its int4 copy is held
+    assert not config.tie_embeddings and head.available_backends() == []
+    assert quantized.lm_head.weight.untyped_storage().nbytes() <= 4
 
 
 # Measured bounds on these random models (which magnify weight error several times over
@@ -242,28 +245,91 @@ def test_an_unsupported_architecture_is_refused_naming_it(tmp_path):
         read_gguf_config(path)
 
 
-def test_an_unreadable_tensor_type_is_refused_at_start(ggufs, tmp_path):
-    """A tensor of a type no dequantizer reads fails the config read, before any weight."""
+def _rewritten(source_path, path, drop_key=None, extra_keys=(), extra_tensors=()):
+    """A copy of a GGUF without the metadata key `drop_key`, with `extra_keys` ((key,
+    value) pairs, integers) and `extra_tensors` ((name, array) pairs) added."""
     import gguf
 
-    source = gguf.GGUFReader(str(ggufs("qwen2", "bpe", "F32")["gguf_path"]))
-    path = tmp_path / "odd.gguf"
-    writer = gguf.GGUFWriter(path, "qwen2")
+    source = gguf.GGUFReader(str(source_path))
+    writer = gguf.GGUFWriter(path, source.fields["general.architecture"].contents())
     for field in source.fields.values():
-        if field.name.startswith(("GGUF.", "general.architecture")):
+        if field.name.startswith(("GGUF.", "general.architecture")) or field.name == drop_key:
             continue
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    for key, value in extra_keys:
+        writer.add_uint32(key, value)
     for tensor in source.tensors:
         writer.add_tensor(tensor.name, np.asarray(tensor.data))
-    writer.add_tensor("blk.0.attn_q.bias_i32", np.zeros(4, dtype=np.int32))
+    for name, array in extra_tensors:
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_an_unreadable_or_malformed_gguf_is_refused_at_start(ggufs, tmp_path):
+    """Each fails the config read, before any weight, with a message naming what is wrong."""
+    source = ggufs("qwen2", "bpe", "F32")["gguf_path"]
+    odd_type = _rewritten(
+        source, tmp_path / "i32.gguf", extra_tensors=[("blk.0.extra", np.zeros(4, np.int32))]
+    )
     with pytest.raises(UnsupportedModelError, match="I32 cannot be read"):
-        read_gguf_config(path)
+        read_gguf_config(odd_type)
+    no_layers = _rewritten(source, tmp_path / "no-layers.gguf", drop_key="qwen2.block_count")
+    with pytest.raises(UnsupportedModelError, match="lacks qwen2.block_count"):
+        read_gguf_config(no_layers)
+    experts = _rewritten(source, tmp_path / "moe.gguf", extra_keys=[("qwen2.expert_count", 8)])
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+        read_gguf_config(experts)
+    stray = _rewritten(
+        source,
+        tmp_path / "stray.gguf",
+        extra_tensors=[("blk.0.ffn_gate_inp.weight", np.zeros((4, 256), np.float32))],
+    )
+    with pytest.raises(UnsupportedModelError, match="'blk.0.ffn_gate_inp.weight' is not part"):
+        read_gguf_config(stray)
+
+
+def test_q_and_k_are_unpermuted_whole_when_read_in_row_blocks(ggufs, monkeypatch):
+    """A q/k tensor taller than one row block (Llama's q has 8192+ rows in large models)
+    is put back in order before it is cut into blocks."""
+    import kernels.gguf_loader as gguf_loader
+
+    path = ggufs("llama", "bpe", "Q8_0")["gguf_path"]
+    whole = gguf_loader.convert_gguf_weights(path)  # read from the file, never a cache
+    monkeypatch.setattr(gguf_loader, "_CHUNK_ROWS", 48)  # q: 256 rows, k: 128 rows
+    blocked = gguf_loader.convert_gguf_weights(path)
+    assert whole.keys() == blocked.keys()
+    for name, tensor in whole.items():
+        assert torch.equal(tensor, blocked[name]), name
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_four_bit_blocks_map_onto_the_int4_layout_exactly(tmp_path, qtype):
+    import gguf
+
+    from kernels.gguf_int4 import int4_part
+    from kernels.quant import dequantize_groups
+    from tests.model.gguf_fixtures import quantize_tensor
+
+    weights = np.random.default_rng(0).standard_normal((48, 512)).astype(np.float32)
+    kind = gguf.GGMLQuantizationType[qtype]
+    path = tmp_path / f"{qtype}.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("w", quantize_tensor(weights, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = gguf.GGUFReader(str(path)).tensors
+    codes, scales_zeros = int4_part(tensor, torch.float32)
+    want = gguf.quants.dequantize(tensor.data, kind).reshape(48, 512)
+    got = dequantize_groups(codes, scales_zeros).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 def test_llama3_rope_is_read_from_the_rope_freqs_tensor():

@@ -96,18 +96,18 @@ def test_llama_8b_weights_in_each_mode():
     exact = weight_bytes(LLAMA_8B, 2)  # bf16 on a GPU: no oneDNN copy of the head
     assert exact.embedding == exact.lm_head == 2 * LLAMA_TABLE == 1_050_673_152
     assert exact.total == 2 * 8_030_261_248 == 16_060_522_496  # 14.96 GiB
-    # int8: a byte a weight + a bf16 scale per output row (43,008 rows a layer); the head
-    # keeps its bf16 weight (untied) and gets an int8 copy (+ 128,256 scales)
+    # int8: a byte a weight + a bf16 scale per output row (43,008 rows a layer); the untied
+    # head is its int8 copy (+ 128,256 scales): its bf16 weight is released once quantized
     int8 = weight_bytes(LLAMA_8B, 2, "int8")
     assert int8.decoder == LLAMA_LINEAR_PARAMS + 32 * 43_008 * 2 + 2 * LLAMA_NORMS
-    assert int8.lm_head == 2 * LLAMA_TABLE + LLAMA_TABLE + 2 * 128_256
-    assert int8.total == 9_609_546_240  # 8.95 GiB
+    assert int8.lm_head == LLAMA_TABLE + 2 * 128_256
+    assert int8.total == 8_558_873_088  # 7.97 GiB
     # int4: half a byte a weight + a bf16 (scale, zero) per 32 inputs: 0.625 bytes a weight
     int4 = weight_bytes(LLAMA_8B, 2, "int4")
     assert int4.decoder == LLAMA_LINEAR_PARAMS * 5 // 8 + 2 * LLAMA_NORMS == 4_362_608_640
-    assert int4.lm_head == 2 * LLAMA_TABLE + LLAMA_TABLE * 5 // 8 == 1_379_008_512
+    assert int4.lm_head == LLAMA_TABLE * 5 // 8 == 328_335_360
     assert int4.embedding == 2 * LLAMA_TABLE  # the lookup table stays bf16
-    assert int4.total == 6_792_290_304  # 6.33 GiB
+    assert int4.total == 5_741_617_152  # 5.35 GiB
     # fp32 activations make the scales 4 bytes: 0.75 bytes a weight
     assert weight_bytes(LLAMA_8B, 4, "int4", activation_bytes=4).decoder == (
         LLAMA_LINEAR_PARAMS * 3 // 4 + 4 * LLAMA_NORMS
@@ -216,13 +216,13 @@ def test_a_byte_budget_sizes_the_pool_itself():
 
 
 def test_the_8b_model_in_int4_on_a_24_gib_machine():
-    # 0.9 x 24 GiB = 23,192,823,398, less 6,792,290,304 of int4 weights: 16,400,533,094
-    # for 2 MiB pages (one of them padding): 7,819 pages, 125,104 tokens
+    # 0.9 x 24 GiB = 23,192,823,398, less 5,741,617,152 of int4 weights: 17,451,206,246
+    # for 2 MiB pages (one of them padding): 8,320 pages, 133,120 tokens
     p = plan(LLAMA_8B, quantization="int4", available=24 * GIB, memory_fraction=0.9)
-    assert p.weights == 6_792_290_304
-    assert p.num_pages == 7_819 and p.kv_tokens == 125_104
-    assert p.kv_pool == 7_820 * (2 << 20) == 16_399_728_640
-    assert p.headroom == 24 * GIB - 6_792_290_304 - 16_399_728_640  # ~2.40 GiB
+    assert p.weights == 5_741_617_152
+    assert p.num_pages == 8_320 and p.kv_tokens == 133_120
+    assert p.kv_pool == 8_321 * (2 << 20) == 17_450_401_792
+    assert p.headroom == 24 * GIB - 5_741_617_152 - 17_450_401_792  # ~2.40 GiB
     assert not p.warnings
     fixed = plan(LLAMA_8B, quantization="int4", available=24 * GIB)
     assert fixed.num_pages == 2048 and fixed.kv_pool == 2049 * (2 << 20)  # ~4.0 GiB
@@ -234,25 +234,25 @@ def test_weights_that_cannot_fit_are_refused_naming_a_quantization_that_does():
     text = str(info.value)
     # bf16 on the CPU: the weights and oneDNN's copy of the head, 17,111,195,648 bytes
     assert "the weights alone (~15.94 GiB, bfloat16) exceed the 12.00 GiB available" in text
-    assert "--quantization int8" in text and "~8.95 GiB" in text
+    assert "--quantization int8" in text and "~7.97 GiB" in text
     with pytest.raises(MemoryPlanError, match="--quantization int4"):
-        plan(LLAMA_8B, quantization="int8", available=8 * GIB)
+        plan(LLAMA_8B, quantization="int8", available=7 * GIB)
     with pytest.raises(MemoryPlanError, match="a smaller model"):
-        plan(LLAMA_8B, quantization="int4", available=6 * GIB)
+        plan(LLAMA_8B, quantization="int4", available=5 * GIB)
 
 
 def test_a_budget_below_one_request_is_refused_with_what_to_change():
-    # 0.9 of 8 GiB less 6.33 GiB of weights: 446 pages, one 8192-token request needs 512
+    # 0.9 of 7 GiB less 5.35 GiB of weights: 486 pages, one 8192-token request needs 512
     with pytest.raises(MemoryPlanError) as info:
         plan(
             LLAMA_8B,
             quantization="int4",
-            available=8 * GIB,
+            available=7 * GIB,
             memory_fraction=0.9,
             context_len=8192,
         )
     text = str(info.value)
-    assert "446 pages of 16 tokens" in text and "kv.context_len = 8192" in text
+    assert "486 pages of 16 tokens" in text and "kv.context_len = 8192" in text
     assert "512 pages" in text and "raise kv.memory_fraction" in text
     assert "--max-model-len" in text and "--quantization int4" not in text  # already int4
     with pytest.raises(MemoryPlanError, match="raise kv.memory_bytes.*--quantization int4"):
