@@ -189,7 +189,14 @@ def read_config(reader) -> ModelConfig:
     config = _gemma3_config(meta) if meta.arch == "gemma3" else _llama_family_config(meta)
     _check_tensors(reader, config)
     config.extra.update(
-        source="gguf", name=meta.get("general.name"), weight_types=weight_types(reader)
+        source="gguf",
+        name=meta.get("general.name"),
+        weight_types=weight_types(reader),
+        linear_types=weight_types(reader, prefix="blk."),
+        embedding_type=_type_of(reader, "token_embd.weight"),
+        head_type=_type_of(
+            reader, "token_embd.weight" if config.tie_embeddings else "output.weight"
+        ),
     )
     return config
 
@@ -213,11 +220,16 @@ def _check_tensors(reader, config: ModelConfig) -> None:
                 )
 
 
-def weight_types(reader) -> dict[str, int]:
-    """Parameters per GGUF type over the 2-D weights (the linears and the embedding)."""
+def _type_of(reader, name: str) -> str | None:
+    return next((t.tensor_type.name for t in reader.tensors if t.name == name), None)
+
+
+def weight_types(reader, prefix: str = "") -> dict[str, int]:
+    """Parameters per GGUF type over the 2-D weights whose names start with `prefix` (all:
+    the linears, the embedding and the head; "blk.": the decoder linears)."""
     counts: dict[str, int] = {}
     for tensor in reader.tensors:
-        if len(tensor.shape) == 2:
+        if len(tensor.shape) == 2 and tensor.name.startswith(prefix):
             name = tensor.tensor_type.name
             counts[name] = counts.get(name, 0) + int(tensor.n_elements)
     return counts

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # torch is imported where weights are built: metadata readers
     from kernels.quant import QuantizedPart
 
 # Bump when the conversion changes, so stale weight caches are rebuilt.
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 WEIGHTS_FILE = "weights.f32.safetensors"
 CONFIG_FILE = "model_config.json"
 _SHA_STAMP_SUFFIX = ".sha256-ok"
@@ -255,7 +255,8 @@ def iter_gguf_weights(
     `quantize` (a quantizing loader's plan: kind -> the dtype of its scales) makes the
     decoder linears and an untied LM head come as `QuantizedPart`s: int4 read straight from
     4-bit blocks (`kernels.gguf_int4`) when the plan has int4, else int8 quantized block by
-    block when it has int8, else float32 tensors for the loader to quantize."""
+    block when it has int8, else float32 tensors for the loader to quantize. An embedding
+    table in 4-bit blocks comes as an int4 part too when the plan has int4."""
     import gguf
     import torch
     from tqdm import tqdm
@@ -273,7 +274,8 @@ def iter_gguf_weights(
         if name is None:
             continue
         quantizable = quantize and (decoder_linear(name) or name == "lm_head.weight")
-        if quantizable and "int4" in quantize and tensor.tensor_type.name in INT4_BLOCK_TYPES:
+        four_bit = "int4" in quantize and tensor.tensor_type.name in INT4_BLOCK_TYPES
+        if four_bit and (quantizable or name == "embed_tokens.weight"):
             codes, scales_zeros = int4_part(tensor, quantize["int4"])
             order = row_order(config, name, codes.shape[0])
             if order is not None:
@@ -343,24 +345,6 @@ def gguf_weight_stream(
             yield weights.popitem()  # dropped from the dict as the consumer takes it
     else:
         yield from iter_gguf_weights(gguf_path, config, dtype, reader, quantize)
-
-
-def gguf_head_part(
-    gguf_path: str | Path, config: ModelConfig, scale_dtype, reader=None
-) -> QuantizedPart | None:
-    """A tied LM head (the `token_embd` table) as an int4 part read from its blocks when it
-    is stored in a 4-bit type; None otherwise."""
-    import gguf
-
-    from kernels.gguf_int4 import int4_part
-    from kernels.quant import QuantizedPart
-    from kernels.quant_layout import INT4_BLOCK_TYPES
-
-    reader = reader or gguf.GGUFReader(str(gguf_path))
-    tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    if tensor.tensor_type.name not in INT4_BLOCK_TYPES:
-        return None
-    return QuantizedPart("int4", *int4_part(tensor, scale_dtype))
 
 
 def fp32_bytes(config: ModelConfig) -> int:

@@ -120,7 +120,9 @@ class LmHead:
         self.final_softcap = final_softcap
         self._fp16 = self._pack_fp16() if "fp16" in named else None
         self._numpy_weight = (
-            self.weight.numpy() if on_cpu and self.weight.dtype == torch.float32 else None
+            self.weight.numpy()
+            if on_cpu and self.weight.dtype == torch.float32 and not self._released
+            else None
         )
         self._packed = (
             self._pack_onednn(rounded_to_fp16="fp16" in named)
@@ -176,6 +178,12 @@ class LmHead:
         return self.weight
 
     @property
+    def _released(self) -> bool:
+        """The weight is a stand-in (`release_exact_weight`, or given so beside a quantized
+        weight): no exact backend can run."""
+        return self.weight.dim() == 2 and self.weight.stride() == (0, 0)
+
+    @property
     def vocab_size(self) -> int:
         return self.weight.shape[0]
 
@@ -184,7 +192,7 @@ class LmHead:
         return self.weight.shape[1]
 
     def available_backends(self) -> list[str]:
-        names = ["aten"] if self.weight.stride() != (0, 0) else []  # released: no exact one
+        names = [] if self._released else ["aten"]
         if self._packed is not None:
             names.append("onednn")
         if self._numpy_weight is not None:

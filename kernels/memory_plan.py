@@ -32,7 +32,6 @@ Pure Python: torch is imported only inside `available_memory` (CUDA) and
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -122,25 +121,8 @@ def weight_bytes(
     copies of fp32 weights; "aten" / "onednn": the model dtype). `lm_head_onednn`: the exact
     LM head keeps a oneDNN-packed copy of its weight (the CPU's `LmHead`; with "fp16" linears
     it is the copy of the fp16-rounded values in fp32)."""
-    if quantization == AS_STORED:  # int4 for what is stored in 4-bit blocks, else int8
-        share = int4_share(config)
-        parts = [
-            weight_bytes(
-                config,
-                dtype_bytes,
-                kind,
-                activation_bytes=activation_bytes,
-                linear=linear,
-                lm_head_onednn=lm_head_onednn,
-            )
-            for kind in ("int4", "int8")
-        ]
-        return WeightBytes(
-            *(
-                round(share * a + (1 - share) * b)
-                for a, b in zip(*(dataclasses.astuple(p) for p in parts))
-            )
-        )
+    if quantization == AS_STORED:
+        return _as_stored_bytes(config, dtype_bytes, activation_bytes)
     c, d = config, dtype_bytes
     quantized = quantization != "none"
     stored = 2 if linear == "fp16" and not quantized else d  # fp16-packed decoder linears
@@ -182,11 +164,35 @@ def weight_bytes(
 
 
 def int4_share(config: ModelConfig) -> float:
-    """Share of a GGUF's 2-D weights stored in 4-bit blocks (kept int4 as stored); an
-    estimate for the rest: a stacked projection with one part in another type is int8."""
-    types = config.extra.get("weight_types") or {}
+    """Share of a GGUF's decoder linears stored in 4-bit blocks (kept int4 as stored); an
+    estimate: a stacked projection with one part in another type is int8 whole."""
+    types = config.extra.get("linear_types") or config.extra.get("weight_types") or {}
     total = sum(types.values())
     return sum(n for t, n in types.items() if t in INT4_BLOCK_TYPES) / total if total else 0.0
+
+
+def _as_stored_bytes(config: ModelConfig, d: int, activation_bytes: int | None) -> WeightBytes:
+    """A quantized GGUF kept as stored: decoder linears int4 in the share stored in 4-bit
+    blocks, int8 elsewhere; the embedding table int4 rows when stored in 4-bit blocks, else
+    the model dtype; the head int4 when stored so, else int8 (no float copy)."""
+    c = config
+    share = int4_share(c)
+    int4, int8 = (
+        weight_bytes(c, d, kind, activation_bytes=activation_bytes) for kind in ("int4", "int8")
+    )
+    decoder = round(share * int4.decoder + (1 - share) * int8.decoder)
+    scale = activation_bytes or d
+    four_bit = {
+        role: c.extra.get(f"{role}_type") in INT4_BLOCK_TYPES for role in ("embedding", "head")
+    }
+    table = c.vocab * c.hidden
+    embedding = (
+        table // 2 + (c.hidden // INT4_GROUP) * c.vocab * 2 * scale
+        if four_bit["embedding"]
+        else table * d
+    )
+    head = linear_bytes(c.vocab, c.hidden, d, "int4" if four_bit["head"] else "int8", scale)
+    return WeightBytes(embedding=embedding, decoder=decoder, lm_head=head)
 
 
 def measured_weight_bytes(model: Any, lm_head: Any = None) -> int:

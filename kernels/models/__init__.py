@@ -115,23 +115,20 @@ def load_quantized_model(
     quantized GGUF kept as stored, `resolve_quantization`) keep weights stored in 4-bit
     blocks int4, read straight from the blocks, and make every other weight int8. The rest
     of the model (embedding table, norms) is `dtype`."""
-    from kernels.gguf_loader import gguf_head_part, gguf_weight_stream, load_gguf_config
+    from kernels.gguf_loader import gguf_weight_stream, load_gguf_config
     from kernels.hf_loader import iter_hf_weights, read_hf_config
 
     kind, source = resolve_model_source(path)
     config = load_gguf_config(source) if kind == "gguf" else read_hf_config(source)
-    head_part = None
     if kind == "gguf":
         import gguf
 
         reader = gguf.GGUFReader(str(source))  # parsed once: a large vocabulary takes seconds
         tensors = gguf_weight_stream(source, config, dtype, activations, reader)
-        if config.tie_embeddings and "int4" in activations:
-            head_part = gguf_head_part(source, config, activations["int4"], reader)
     else:
         tensors = iter_hf_weights(source, config, torch.float32)
-    model, untied_part = build_quantized_model(config, tensors, dtype, activations)
-    head_part = head_part or untied_part
+    # a tied head is the embedding table: its int4 part, when it arrived as one
+    model, head_part = build_quantized_model(config, tensors, dtype, activations)
     if head_part is None:  # the head is quantized from its float weight
         head_kind = "int8" if "int8" in activations else "int4"
         quantized = None
@@ -158,13 +155,14 @@ def build_quantized_model(
 ) -> tuple[nn.Module, QuantizedPart | None]:
     """`build_model` for a quantized model (`load_quantized_model`'s plan), and the LM
     head's `QuantizedPart` when it arrived quantized (its parameter is then a one-element
-    stand-in). Each decoder linear weight is quantized when it arrives (`quantize_part`; a
+    stand-in), or the tied embedding's when that arrived in int4 (it becomes an
+    `Int4Embedding`). Each decoder linear weight is quantized when it arrives (`quantize_part`; a
     `QuantizedPart` as it is) and its float tensor dropped, so peak memory is the quantized
     model plus one float tensor. Stacked projections join their parts' rows: int4 when
     every part is, else int8 (int4 parts re-quantized to int8 per output row: not lossless,
     since int8 has one scale a row where the int4 blocks had one per 32 weights)."""
     from kernels.linear import STACKED_PROJECTIONS, decoder_linear, stack_projections
-    from kernels.quant import QuantizedLinear, quantize_part
+    from kernels.quant import Int4Embedding, QuantizedLinear, quantize_part
 
     with torch.device("meta"):
         model = MODEL_CLASSES[config.arch](config)
@@ -185,6 +183,11 @@ def build_quantized_model(
         if name == "lm_head.weight" and isinstance(tensor, QuantizedPart):
             head_part = tensor
             state[name] = torch.zeros((), dtype=dtype).expand(config.vocab, config.hidden)
+            continue
+        if name == "embed_tokens.weight" and isinstance(tensor, QuantizedPart):
+            model.embed_tokens = Int4Embedding(tensor.q, tensor.scales, dtype)
+            if config.tie_embeddings:
+                head_part = tensor
             continue
         if module is None:
             if isinstance(tensor, QuantizedPart):

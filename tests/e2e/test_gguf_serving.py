@@ -151,3 +151,51 @@ def test_an_unsupported_gguf_fails_at_start_naming_it(tmp_path):
     assert res.returncode != 0
     assert "GGUF architecture 'phi3' is not supported; supported: gemma3, llama" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_the_ggufs_end_of_turn_token_ends_a_chat(qwen2_q4k):
+    """The end-of-generation ids come from the GGUF: forcing ChatML's <|im_end|> (a
+    logit_bias on it) ends the answer at once, with finish_reason stop."""
+    server, info = qwen2_q4k
+    im_end = info["vocab"]["tokens"].index("<|im_end|>")
+    chat = _client(server).chat.completions.create(
+        model="tiny-qwen2-Q4_K",
+        messages=CHAT,
+        max_tokens=16,
+        temperature=0,
+        logit_bias={str(im_end): 100},
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.choices[0].message.content == ""
+    assert chat.usage.completion_tokens == 1
+
+
+def test_a_llama3_gguf_answers_with_its_template_and_stops_at_eot(tmp_path):
+    """Llama 3's byte-level BPE vocabulary, header tokens and <|eot_id|>; Q8_0 kept int8."""
+    info = write_tiny_gguf(tmp_path / "tiny-llama3.gguf", "llama", "Q8_0", save_hf=False)
+    server = _serve(info["gguf_path"])
+    try:
+        client = _client(server)
+        tokenizer = load_tokenizer(info["gguf_path"])
+        assert tokenizer.render_chat(CHAT).startswith("<|begin_of_text|><|start_header_id|>")
+        eot = info["vocab"]["tokens"].index("<|eot_id|>")
+        chat = client.chat.completions.create(
+            model="tiny-llama3", messages=CHAT, max_tokens=8, temperature=0
+        )
+        assert chat.usage.prompt_tokens == len(tokenizer.encode_chat(CHAT))
+        assert chat.usage.completion_tokens >= 1
+        stopped = client.chat.completions.create(
+            model="tiny-llama3",
+            messages=CHAT,
+            max_tokens=8,
+            temperature=0,
+            logit_bias={str(eot): 100},
+        )
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.usage.completion_tokens == 1
+        completion = client.completions.create(
+            model="tiny-llama3", prompt="the sea", max_tokens=5, extra_body={"ignore_eos": True}
+        )
+        assert completion.usage.completion_tokens == 5
+    finally:
+        stop_server(server)

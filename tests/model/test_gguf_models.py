@@ -146,23 +146,27 @@ def test_tokenizer_from_the_gguf_equals_transformers(ggufs, arch, tok):
     assert ours.tokenizer.token_to_id(eos_text) in ours.eos_ids
 
 
-@pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_K"])
-def test_four_bit_blocks_stay_int4_without_loss(ggufs, weight_type):
+@pytest.mark.parametrize(("arch", "weight_type"), [("llama", "Q4_K"), ("qwen2", "Q4_0")])
+def test_four_bit_blocks_stay_int4_without_loss(ggufs, arch, weight_type):
     """Kept as stored with fp32 scales, Q4_0 / Q4_K weights are exactly the file's: the
-    codes carry over and the affine map is rewritten, so logits equal the exact path."""
-    info = ggufs("llama", "bpe", weight_type)
+    codes carry over and the affine map is rewritten, so logits equal the exact path. The
+    embedding table too stays int4 (and is the head, when tied)."""
+    from kernels.quant import Int4Embedding
+
+    info = ggufs(arch, "bpe", weight_type)
     config, model = load_model(info["gguf_path"], torch.float32)
     exact, exact_out = _run(config, model)
     activations = {k: torch.float32 for k in PLAN_KINDS["gguf"]}
     config, quantized, head = load_quantized_model(info["gguf_path"], torch.float32, activations)
     linears = [m for m in quantized.modules() if isinstance(m, QuantizedLinear)]
     assert len(linears) == 4 * config.num_layers and {m.kind for m in linears} == {"int4"}
+    assert isinstance(quantized.embed_tokens, Int4Embedding)
     logits, outputs = _run(config, quantized, head)
     torch.testing.assert_close(logits, exact, atol=1e-4, rtol=1e-4)
     assert outputs == exact_out
-    # the untied head's float weight was released: only its int4 copy is held
-    assert not config.tie_embeddings and head.available_backends() == []
-    assert quantized.lm_head.weight.untyped_storage().nbytes() <= 4
+    # the head's float weight was never kept: only its int4 copy is held
+    assert head.plan == {1: "int4"} and head.available_backends() == []
+    assert quantized.lm_head_weight.untyped_storage().nbytes() <= 4
 
 
 # Measured bounds on these random models (which magnify weight error several times over
@@ -376,3 +380,20 @@ def test_bench_quality_builds_each_mode(ggufs):
         executor = build(mode, path, 1, 32)
         kinds[mode] = {m.kind for m in executor.model.modules() if isinstance(m, QuantizedLinear)}
     assert kinds == {"fp32": set(), "gguf": {"int4"}, "int8": {"int8"}}
+
+
+@pytest.mark.parametrize(
+    ("arch", "weight_type", "within"),
+    [("qwen2", "Q4_0", 0.001), ("llama", "Q8_0", 0.001), ("qwen3", "Q4_K_M", 0.06)],
+)
+def test_the_memory_plan_estimates_a_gguf_kept_as_stored(ggufs, arch, weight_type, within):
+    """The plan's estimate (made before loading) against the bytes the loaded model holds:
+    exact for one type, a few percent under for a mix (a stacked projection with one
+    part in 6-bit blocks is int8 whole; the estimate splits by parameter share)."""
+    from kernels.memory_plan import measured_weight_bytes, weight_bytes
+
+    path = ggufs(arch, "bpe", weight_type)["gguf_path"]
+    plan = {k: torch.bfloat16 for k in PLAN_KINDS["gguf"]}
+    config, model, head = load_quantized_model(path, torch.bfloat16, plan)
+    estimate = weight_bytes(config, 2, "gguf", activation_bytes=2).total
+    assert estimate == pytest.approx(measured_weight_bytes(model, head), rel=within)
