@@ -121,10 +121,7 @@ def load_quantized_model(
     kind, source = resolve_model_source(path)
     config = load_gguf_config(source) if kind == "gguf" else read_hf_config(source)
     if kind == "gguf":
-        import gguf
-
-        reader = gguf.GGUFReader(str(source))  # parsed once: a large vocabulary takes seconds
-        tensors = gguf_weight_stream(source, config, dtype, activations, reader)
+        tensors = gguf_weight_stream(source, config, dtype, activations)
     else:
         tensors = iter_hf_weights(source, config, torch.float32)
     # a tied head is the embedding table: its int4 part, when it arrived as one
