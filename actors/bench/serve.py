@@ -8,6 +8,15 @@ Datasets (all seeded, cut from a fixed English text so every server sees the sam
   then a `--question-len`-token question of its own (what a prefix cache is for);
 * `multi-turn`: `--num-prompts` conversations of `--turns` turns; each turn sends the whole
   conversation so far (as chat clients do), turns of one conversation one after another.
+* `copy`: an answer that mostly quotes its prompt, as agents and editors produce (what n-gram /
+  prompt-lookup drafting for speculative decoding is for). Each prompt is a document of about
+  `--input-len` tokens (uniform in [len * (1 - range), len]), code-like (Python functions
+  with identifiers and numbers) or prose (the fixed text, wrapped), then a line asking for it
+  again (verbatim, with a function renamed, a number changed or a word replaced) and the
+  first line or two of that copy. The prompt is plain completion text whose natural
+  continuation is the rest of the copy, so a base model that follows no instructions copies
+  too; sent to /v1/completions like `random`. Use `--output-len` near `--input-len` to copy
+  the whole document.
 
 Load: at most `--max-concurrency` requests in flight, and/or a Poisson `--request-rate`
 (requests per second; `inf` sends all at once). `--concurrency-sweep 1,8,32` repeats the
@@ -25,11 +34,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import keyword
 import math
 import random
+import re
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +100,162 @@ def _length(rng: random.Random, n: int, range_ratio: float) -> int:
     return max(1, rng.randint(int(n * (1 - range_ratio)), n))
 
 
+# ---- the copy dataset ---------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _identifier_words() -> tuple[str, ...]:
+    """Lowercase words of the fixed text, usable as parts of Python identifiers."""
+    from actors.app.corpus import natural_text
+
+    words = set(re.findall(r"\b[a-z]{3,9}\b", natural_text()))
+    return tuple(sorted(w for w in words if not keyword.iskeyword(w)))
+
+
+def _names(
+    rng: random.Random, count: int, parts: int = 1, avoid: frozenset[str] | set[str] = frozenset()
+) -> list[str]:
+    words = _identifier_words()
+    out: list[str] = []
+    while len(out) < count:
+        name = "_".join(rng.choice(words) for _ in range(parts))
+        if name not in out and name not in avoid:
+            out.append(name)
+    return out
+
+
+_RESERVED = frozenset({"limit", "range", "max", "min", "self"})  # names the functions use
+
+
+def _function(rng: random.Random, earlier: list[str]) -> list[str]:
+    """One code-like Python function: identifiers, numbers, a loop, a branch, calls."""
+    [name] = _names(rng, 1, parts=2, avoid=set(earlier))
+    *params, acc = _names(rng, rng.randint(2, 4), avoid={name, *_RESERVED})
+    [noun] = _names(rng, 1)
+    lines = [
+        f"def {name}({', '.join(params)}, limit={rng.randint(2, 64)}):",
+        f'    """Return the {noun} of {params[0]}, at most {rng.randint(10, 9999)}."""',
+        f"    {acc} = {rng.randint(0, 9)}",
+    ]
+    for _ in range(rng.randint(2, 5)):
+        p = rng.choice(params)
+        big, small = rng.randint(2, 999), rng.randint(2, 99)
+        kind = rng.randrange(5 if earlier else 4)
+        if kind == 0:
+            lines.append(f"    {acc} += {p} * {big} - {small}")
+        elif kind == 1:
+            lines += [f"    if {acc} > {big}:", f"        {acc} = {acc} % {small}"]
+        elif kind == 2:
+            lines += ["    for i in range(limit):", f"        {acc} += {p}[i % {small}] * {big}"]
+        elif kind == 3:
+            lines.append(f"    {acc} = max({acc}, {p} // {small})")
+        else:
+            lines.append(f"    {acc} += {rng.choice(earlier)}({p}, limit={small})")
+    lines.append(f"    return {acc}")
+    return lines
+
+
+def _tokens(source: TextSource, text: str) -> int:
+    return len(source.bundle.encode(text, add_special_tokens=False))
+
+
+def _fit(source: TextSource, parts: list[str], join, n: int, least: int) -> list[str]:
+    """The longest head of `parts` (at least `least` of them) whose `join` is at most `n`
+    tokens."""
+
+    def fits(k: int) -> bool:
+        return _tokens(source, join(parts[:k])) <= n
+
+    lo, hi = min(least, len(parts)), len(parts)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return parts[:lo]
+
+
+def _code_document(rng: random.Random, source: TextSource, n: int) -> list[str]:
+    """Functions of about `n` tokens in all, the last one cut at a line (at least two lines)."""
+    lines: list[str] = []
+    names: list[str] = []
+    estimate = 0  # functions counted one by one: close to the whole, checked below
+    while estimate < n or _tokens(source, "\n".join(lines)) < n:
+        fn = _function(rng, names)
+        names.append(fn[0][4 : fn[0].index("(")])
+        lines += ([""] if lines else []) + fn
+        estimate += _tokens(source, "\n".join(fn) + "\n\n")
+    lines = _fit(source, lines, "\n".join, n, least=2)
+    while not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _prose_document(rng: random.Random, source: TextSource, n: int) -> list[str]:
+    """About `n` tokens of the fixed text, whole words only, wrapped at 72 columns."""
+    words = source.text(rng, n + 16).split()[1:-1] or ["text"]
+    words = _fit(source, words, _wrap, n, least=1)
+    return _wrap(words).split("\n")
+
+
+def _wrap(words: list[str]) -> str:
+    return textwrap.fill(" ".join(words), width=72) or "text"
+
+
+def _replace_word(lines: list[str], old: str, new: str) -> list[str]:
+    pattern = re.compile(rf"(?<![\w]){re.escape(old)}(?![\w])")
+    return [pattern.sub(new, line) for line in lines]
+
+
+def copy_prompt(rng: random.Random, source: TextSource, n: int) -> tuple[str, str, str]:
+    """One `copy` request: (prompt, document, the copy it asks for). The prompt is the
+    document, a line asking for it again, and the copy's first line or two, so that the
+    natural continuation is the rest of the copy."""
+    if rng.random() < 0.5:
+        doc = _code_document(rng, source, n)
+        choice = rng.randrange(3)
+        numbers = sorted({m for line in doc for m in re.findall(r"(?<![\w.])\d{2,}\b", line)})
+        if choice == 0:
+            old = doc[0][4 : doc[0].index("(")]  # the first function: in the cue
+            [new] = _names(rng, 1, parts=2, avoid={old})
+            edit = f"the function `{old}` renamed to `{new}`"
+        elif choice == 1 and numbers:
+            old = rng.choice(numbers)
+            new = str(int(old) + rng.randint(1, 9))
+            edit = f"the number {old} changed to {new}"
+        else:
+            old = new = ""
+            edit = "no changes"
+        copy = _replace_word(doc, old, new) if old else list(doc)
+        cue = copy[:2] if len(copy) > 2 else copy[:1]
+        fence = "```python\n"
+        ask = f"Here is the same code again, with {edit}:"
+        prompt = fence + "\n".join(doc) + f"\n```\n\n{ask}\n\n" + fence + "\n".join(cue) + "\n"
+    else:
+        doc = _prose_document(rng, source, n)
+        candidates = sorted({w for line in doc for w in re.findall(r"\b[A-Za-z]{4,}\b", line)})
+        if candidates and rng.random() < 0.5:
+            old = rng.choice(candidates)
+            new = rng.choice([w for w in _identifier_words() if w != old.lower()])
+            copy = _replace_word(doc, old, new)
+            ask = f'Here is the same text again, with "{old}" replaced by "{new}":'
+        else:
+            copy = list(doc)
+            ask = "Here is the same text again, quoted word for word:"
+        cue = copy[:1]
+        prompt = "\n".join(doc) + f"\n\n{ask}\n\n" + cue[0] + "\n"
+    return prompt, "\n".join(doc), "\n".join(copy)
+
+
 def build_dataset(args: argparse.Namespace, source: TextSource) -> list[Request]:
     rng = random.Random(args.seed)
+    if args.dataset == "copy":
+        out = []
+        for _ in range(args.num_prompts):
+            n = _length(rng, args.input_len, args.range_ratio)
+            prompt, _, _ = copy_prompt(rng, source, n)
+            out.append(
+                Request(prompt=prompt, output_len=_length(rng, args.output_len, args.range_ratio))
+            )
+        return out
     if args.dataset == "random":
         return [
             Request(
@@ -369,10 +536,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="gemma-3-270m", help="the model name the server serves")
     p.add_argument("--api-key", default="")
     p.add_argument("--tokenizer", default=None, help="GGUF or HF folder (default: embedded)")
-    p.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn"], default="random")
+    p.add_argument(
+        "--dataset",
+        choices=["random", "shared-prefix", "multi-turn", "copy"],
+        default="random",
+        help="copy: the answer quotes the prompt (a document, then the start of its copy), "
+        "for n-gram / prompt-lookup speculative decoding; see the module docstring",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--input-len", type=int, default=128, help="prompt tokens (copy: document tokens)"
+    )
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     p.add_argument(
         "--range-ratio",
         type=float,

@@ -107,6 +107,28 @@ def test_multi_turn_sends_the_whole_conversation(server, tmp_path):
     assert run["cached_tokens"] > 0  # the second turn re-sends the first: a prefix hit
 
 
+def test_copy_dataset_runs_against_the_server(server, tmp_path):
+    doc = bench(
+        server,
+        tmp_path,
+        "--dataset",
+        "copy",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "64",
+        "--output-len",
+        "8",
+        "--max-concurrency",
+        "2",
+    )
+    assert doc["dataset"] == "copy"
+    [run] = doc["runs"]
+    assert run["completed"] == 2 and run["failed"] == 0
+    assert run["input_tokens"] >= 2 * 48  # the document, the ask and the start of the copy
+    assert 0 < run["output_tokens"] <= 16
+
+
 def test_soak_samples_every_engine_process_and_finds_no_leak(tmp_path):
     """A 20-second soak with the runner in its own process: both processes are sampled,
     requests complete (some closed early), the KV is whole afterwards, exit 0."""
