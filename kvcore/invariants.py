@@ -5,7 +5,9 @@ leak through. Checked, for every holder (a live request or a session slot) with 
 
 1. Order: 0 <= cache_protected_len <= kv_committed_len <= kv_allocated_len <= row capacity;
    cache_protected_len is page-aligned; `not is_held == is_released` (the checker runs
-   between operations, where every record is at a release point).
+   between operations, where every record is at a release point). A live request's
+   committed length trails its allocated one only between a speculative step's reservation
+   and its commit; a session slot's record is at rest (committed == allocated).
 2. Layout: the slot of every position p < kv_allocated_len lies at in-page offset
    p % page_size, every logical page of the row (positions [k*ps, (k+1)*ps)) lies on one
    physical page, never the padding page 0, and no two logical pages share one.
@@ -95,6 +97,11 @@ def check_invariants(snap: KvSnapshot) -> None:
     ]
     for who, rec, lock in holders:
         _check_record(who, rec, capacity, ps)
+        if who.startswith("session") and rec.kv_committed_len != rec.kv_allocated_len:
+            raise InvariantViolation(
+                f"{who}: saved with {rec.kv_allocated_len - rec.kv_committed_len} draft slots "
+                "not committed (a release point needs committed == allocated)"
+            )
         if rec.req_pool_idx is None:
             if lock is not None:
                 raise InvariantViolation(f"{who} holds no row but still locks tree node {lock}")

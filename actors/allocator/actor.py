@@ -25,6 +25,7 @@ from transport.messages.alloc import (
     CacheUnfinishedReply,
     CloseSlots,
     CloseSlotsReply,
+    DraftCommit,
     DropCache,
     DropCacheReply,
     ExtendGrantItem,
@@ -137,8 +138,9 @@ class AllocatorActor(Actor):
         # applied, so a bad item (LedgerError) leaves the whole message undone.
         ledger = self.ledger
         if isinstance(msg, AllocDecode):
+            await self._commit(msg.commits)
             deltas: list[SlotDelta] = []
-            short = await ledger.alloc_decode(list(msg.rids), deltas)
+            short = await ledger.alloc_decode(list(msg.rids), deltas, list(msg.drafts) or None)
             reply = AllocDecodeReply(short_pages=short, deltas=pack_deltas(deltas))
         elif isinstance(msg, AllocExtend):
             reply = await self._extend(msg)
@@ -200,12 +202,27 @@ class AllocatorActor(Actor):
                 )
         return AllocExtendReply(grants=grants, deltas=pack_deltas(deltas))
 
+    async def _commit(self, commits: list[DraftCommit]) -> None:
+        """Commit speculative steps' accepted positions (all checked before any applies)."""
+        if not commits:
+            return
+        ledger = self.ledger
+        ledger.check_held([c.rid for c in commits])
+        for c in commits:
+            ledger.check_commit(c.rid, c.accepted)
+        for c in commits:
+            await ledger.commit_draft(c.rid, c.accepted)
+
     async def _release(self, msg: ReleaseBatch) -> None:
         ledger = self.ledger
+        await self._commit(msg.commits)
         ledger.check_held(
             [item.rid for item in msg.items],
             [item.kind is not ReleaseKind.ABORT for item in msg.items],
         )
+        for item in msg.items:
+            if item.kind is not ReleaseKind.ABORT:
+                ledger.require_at_rest(item.rid)
         for item in msg.items:
             toks = np.asarray(item.tokens, dtype=np.int64)
             if item.kind is ReleaseKind.FINISH:

@@ -9,7 +9,12 @@ Row ranges a request owns, for a held record `r` with row R:
     R[0 : r.cache_protected_len)                    tree pages, locked by this request
     R[r.cache_protected_len : r.kv_allocated_len)   the request's own pages (whole pages)
 Allocation commits: the call that reserves slots for an extend or a decode
-step also advances kv_committed_len (no speculative decoding yet).
+step also advances kv_committed_len, except for speculative decoding: a decode step with
+draft tokens reserves their slots (`alloc_decode` with `drafts`: kv_allocated_len moves,
+kv_committed_len does not), and `commit_draft` then commits the accepted positions and frees
+the rejected tail. A record is at rest (committed == allocated) at every release point:
+finish, retraction and a session save refuse a record with uncommitted draft slots; only
+an abort frees one as it is.
 
 Streaming sessions: a `SessionSlot` holds a finished turn's whole record (row, tree lock
 and pages, the partial last page included), pinned: nothing evicts it. Ownership moves, it
@@ -400,42 +405,110 @@ class KvLedger:
 
     # ---- decode --------------------------------------------------------------------------
     @_ledger_op
-    async def alloc_decode(self, rids: list[int], deltas: list[SlotDelta]) -> int:
-        """One slot for each request's next token, all or nothing.
+    async def alloc_decode(
+        self, rids: list[int], deltas: list[SlotDelta], drafts: list[int] | None = None
+    ) -> int:
+        """One slot for each request's next token, all or nothing; with `drafts`, also
+        `drafts[i]` slots for request i's draft tokens (speculative decoding).
 
+        A request without drafts commits its slot at once (allocation commits). A request
+        with k > 0 drafts has 1 + k slots reserved: kv_allocated_len moves by 1 + k and
+        kv_committed_len stays until `commit_draft` says how many positions were accepted.
         Returns 0 on success, else the number of pages still missing after eviction
-        (nothing changed; the scheduler retracts and retries).
+        (nothing changed; the scheduler drops the drafts, or retracts, and retries).
         """
         ps = self.page_size
-        recs = self.check_decode(rids)
-        need = sum(1 for rec in recs if rec.kv_allocated_len % ps == 0)
+        recs = self.check_decode(rids, drafts)
+        if drafts is None or not any(drafts):
+            drafts = [0] * len(recs)
+        need = sum(
+            self._pages_for(r.kv_allocated_len, r.kv_allocated_len + 1 + k, open_page=True)
+            for r, k in zip(recs, drafts)
+        )
         short = await self._ensure_free(need)
         if short:
             return short
         fresh = self._alloc_pages(need, deltas)
-        k = 0
-        for rec in recs:
-            pos = rec.kv_allocated_len
-            if pos % ps == 0:
-                slot = int(fresh[k]) * ps
-                k += 1
-            else:
-                slot = int(self.table.table[rec.req_pool_idx, pos - 1]) + 1
-            self.table.table[rec.req_pool_idx, pos] = slot
-            deltas.append(SlotDelta(rec.req_pool_idx, pos, np.array([slot], dtype=np.int64)))
-            rec.kv_allocated_len = pos + 1
-            rec.kv_committed_len = pos + 1
+        used = 0
+        for rec, k in zip(recs, drafts):
+            pos, row = rec.kv_allocated_len, rec.req_pool_idx
+            n = 1 + k
+            in_open = min(n, ps - pos % ps) if pos % ps else 0
+            pages = ceil_page(n - in_open, ps) // ps
+            slots = slots_of_pages(fresh[used : used + pages], ps)[: n - in_open]
+            used += pages
+            if in_open:
+                last = int(self.table.table[row, pos - 1])
+                head = np.arange(last + 1, last + 1 + in_open, dtype=np.int64)
+                slots = np.concatenate([head, slots]) if slots.size else head
+            self.table.write(row, pos, slots)
+            deltas.append(SlotDelta(row, pos, slots))
+            rec.kv_allocated_len = pos + n
+            if k == 0:
+                rec.kv_committed_len = pos + 1
             self._free_window(rec, first_query=pos)
         return 0
 
-    def check_decode(self, rids: list[int]) -> list[ReqKvInfo]:
+    def check_decode(self, rids: list[int], drafts: list[int] | None = None) -> list[ReqKvInfo]:
         """The held records of `rids`; raises `LedgerError` on misuse, changing nothing."""
         _require_unique(rids)
+        if drafts is not None and len(drafts) != len(rids):
+            raise LedgerError(f"{len(drafts)} draft counts for {len(rids)} requests")
         recs = [self._held(rid) for rid in rids]
-        for rid, rec in zip(rids, recs):
-            if rec.kv_allocated_len >= self.table.row_capacity:
-                raise LedgerError(f"request {rid}: context full ({rec.kv_allocated_len})")
+        for i, (rid, rec) in enumerate(zip(rids, recs)):
+            k = drafts[i] if drafts is not None else 0
+            if k < 0:
+                raise LedgerError(f"request {rid}: negative draft count {k}")
+            if rec.kv_committed_len < rec.kv_allocated_len:
+                raise LedgerError(
+                    f"request {rid}: {rec.kv_allocated_len - rec.kv_committed_len} draft "
+                    "slots not committed yet"
+                )
+            if rec.kv_allocated_len + 1 + k > self.table.row_capacity:
+                raise LedgerError(
+                    f"request {rid}: context full ({rec.kv_allocated_len} + {1 + k} slots)"
+                )
         return recs
+
+    @_ledger_op
+    async def commit_draft(self, rid: int, accepted: int) -> None:
+        """Speculative decoding's commit: of the positions `alloc_decode` reserved for
+        `rid`'s step, the first `accepted` (>= 1: the step's input token, then the drafts
+        the model accepted) hold KV of tokens the request keeps. kv_committed_len advances
+        by `accepted`, the rejected tail's whole pages go back to the pool (the page holding
+        the last committed position stays the row's), and kv_allocated_len falls back to
+        kv_committed_len. Misuse raises `LedgerError`, changing nothing."""
+        rec = self.check_commit(rid, accepted)
+        end = rec.kv_committed_len + accepted
+        keep = ceil_page(end, self.page_size)
+        if rec.kv_allocated_len > keep:
+            tail = self.table.read(rec.req_pool_idx, keep, rec.kv_allocated_len)
+            self._free_pages(pages_of_slots(tail, self.page_size))
+        rec.kv_committed_len = end
+        rec.kv_allocated_len = end
+
+    def check_commit(self, rid: int, accepted: int) -> ReqKvInfo:
+        """The record of `rid` if committing `accepted` positions is valid; else
+        `LedgerError`, changing nothing."""
+        rec = self._held(rid)
+        reserved = rec.kv_allocated_len - rec.kv_committed_len
+        if reserved == 0:
+            raise LedgerError(f"request {rid} has no draft slots to commit")
+        if not 1 <= accepted <= reserved:
+            raise LedgerError(
+                f"request {rid}: {accepted} accepted positions, {reserved} were reserved"
+            )
+        return rec
+
+    def require_at_rest(self, rid: int) -> None:
+        """A release point that keeps KV (finish, retraction, session save) needs every
+        reserved draft slot committed or rolled back first."""
+        rec = self.records.get(rid)
+        if rec is not None and rec.kv_committed_len < rec.kv_allocated_len:
+            raise LedgerError(
+                f"request {rid}: {rec.kv_allocated_len - rec.kv_committed_len} draft slots "
+                "not committed; commit_draft first"
+            )
 
     # ---- chunked prefill: cache the finished pages of an unfinished request --------------
     @_ledger_op
@@ -496,6 +569,7 @@ class KvLedger:
     async def finish(self, rid: int, tokens: np.ndarray) -> None:
         """Normal finish: committed whole pages go to the tree, the rest back to the pool;
         a session's turn instead moves its whole record to the session's slot."""
+        self.require_at_rest(rid)
         self.counters.finished += 1
         session = self.turn_session.pop(rid, None)
         slot = self.slots.get(session) if session is not None else None
@@ -526,6 +600,7 @@ class KvLedger:
         The request goes back to the waiting queue; re-admission matches its prefix again
         (a session's turn stays the session's; its slot stays empty).
         """
+        self.require_at_rest(rid)
         await self._release(rid, tokens if self.tree is not None else None)
         self.counters.retracted += 1
 

@@ -98,7 +98,12 @@ class RequestViews:
         return [r for r in self._held() if self._rec(r).kv_committed_len < len(self.tokens[r])]
 
     def _decoding(self):
-        return [r for r in self._held() if self._rec(r).kv_committed_len == len(self.tokens[r])]
+        """Held requests with every known token in KV and no draft slots reserved."""
+        return [
+            r
+            for r in self._held()
+            if self._rec(r).kv_committed_len == len(self.tokens[r]) == self._rec(r).kv_allocated_len
+        ]
 
     def _not_done(self):
         return [

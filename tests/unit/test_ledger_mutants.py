@@ -16,13 +16,18 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import actors.allocator.ledger as ledger_module
+from kvcore.page_pool import PoolError
 from tests.unit.test_ledger_properties import (
     SETTINGS,
     LedgerMachine,
     LedgerMachinePage4,
     LedgerMachinePage16,
 )
-from tests.unit.test_ledger_swa_properties import SwaLedgerMachine, SwaLedgerMachinePage16
+from tests.unit.test_ledger_swa_properties import (
+    SpeculativeSwaLedgerMachine,
+    SwaLedgerMachine,
+    SwaLedgerMachinePage16,
+)
 
 LEDGER_SOURCE = Path(ledger_module.__file__).read_text()
 
@@ -42,6 +47,22 @@ MUTANTS = {
         "            freed = await self.tree.evict(missing)"
         " if self.tree is not None else _NO_PAGES\n",
         "            freed = _NO_PAGES\n",
+    ),
+    "a speculative reservation commits its drafts": (
+        "            if k == 0:\n                rec.kv_committed_len = pos + 1\n",
+        "            rec.kv_committed_len = pos + n\n",
+    ),
+    "a draft commit frees the page holding the last committed position": (
+        "keep = ceil_page(end, self.page_size)",
+        "keep = floor_page(end, self.page_size)",
+    ),
+    "a draft commit keeps the rejected tail's pages": (
+        "            self._free_pages(pages_of_slots(tail, self.page_size))\n",
+        "            pass\n",
+    ),
+    "a finish releases a record with uncommitted draft slots": (
+        "if rec is not None and rec.kv_committed_len < rec.kv_allocated_len:",
+        "if False:",
     ),
     "forget() drops a held record": (
         'raise LedgerError(f"request {rid} still holds row {rec.req_pool_idx}")',
@@ -96,6 +117,10 @@ SWA_MUTANTS = {
         "                rec.swa_evict_floor = total\n",
         "                pass\n",
     ),
+    "a draft commit frees the tail's full pages but not their sliding pages": (
+        "            self._free_pages(pages_of_slots(tail, self.page_size))\n",
+        "            self.pool.free(pages_of_slots(tail, self.page_size))\n",
+    ),
     "admission does not count the sliding pool": (
         "swa_short = pages - returning - self.swa.num_free if self.swa is not None else 0",
         "swa_short = 0",
@@ -103,7 +128,7 @@ SWA_MUTANTS = {
 }
 
 MACHINES = (LedgerMachine, LedgerMachinePage4, LedgerMachinePage16)
-SWA_MACHINES = (SwaLedgerMachine, SwaLedgerMachinePage16)
+SWA_MACHINES = (SwaLedgerMachine, SwaLedgerMachinePage16, SpeculativeSwaLedgerMachine)
 
 
 def mutant_ledger_module(anchor: str, replacement: str) -> types.ModuleType:
@@ -175,7 +200,7 @@ def test_the_property_machines_catch_the_planted_bug(name, machines):
         planted = type(f"Mutant{machine.__name__}", (machine,), {"ledger_class": mutant.KvLedger})
         try:
             run_state_machine_as_test(planted, settings=quiet)
-        except (AssertionError, mutant.LedgerError, pytest.fail.Exception) as exc:
+        except (AssertionError, mutant.LedgerError, PoolError, pytest.fail.Exception) as exc:
             print(f"{name}: caught by {machine.__name__}: {type(exc).__name__}: {exc}"[:300])
             return
     pytest.fail(f"no property machine caught the mutant: {name}")

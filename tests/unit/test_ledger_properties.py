@@ -9,7 +9,11 @@ ledger is reached; `event` counts them. Oracles beyond the checker:
 
 * a request holds a record exactly while it holds KV or waits after a retraction;
 * an admission is granted whenever free + evictable pages and a row suffice, computes at
-  least one token, and a refusal leaves the pool and the tree as they were.
+  least one token, and a refusal leaves the pool and the tree as they were;
+* speculative steps: a reservation moves kv_allocated_len by 1 + k and leaves
+  kv_committed_len; the commit keeps exactly the accepted positions' KV, frees exactly the
+  rejected tail's whole pages, and a finish or retraction between the two is refused,
+  changing nothing (an abort frees everything).
 
 `MUTANTS` plants one bug each in a copy of the ledger's source; the same machine, at the
 same settings, must catch every one of them (tests/unit/test_ledger_mutants.py).
@@ -50,6 +54,7 @@ class LedgerMachine(RequestViews, RuleBasedStateMachine):
         self.finished: list[np.ndarray] = []  # tokens of finished requests (cached prefixes)
         self.next_rid = 0
         self.duplicates_freed = 0
+        self.drafting: dict[int, np.ndarray] = {}  # rid -> tokens written in its reserved slots
 
     # -- helpers --
     def _apply(self, deltas):
@@ -215,9 +220,95 @@ class LedgerMachine(RequestViews, RuleBasedStateMachine):
             self.kv.assert_row_holds(rec.req_pool_idx, self.tokens[rid], rec.kv_committed_len)
 
     @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def speculate(self, data):
+        """A decode step with draft tokens: 1 + k slots reserved per request (k may be 0:
+        that request commits at once), KV written in all of them."""
+        cands = [r for r in self._decoding() if len(self.tokens[r]) < self.capacity]
+        if not cands:
+            return
+        rids = data.draw(st.lists(st.sampled_from(cands), min_size=1, max_size=3, unique=True))
+        drafts = [
+            data.draw(st.integers(0, min(6, self.capacity - len(self.tokens[r]) - 1))) for r in rids
+        ]
+        before = self._pool_and_tree()
+        lengths = [(self._rec(r).kv_committed_len, self._rec(r).kv_allocated_len) for r in rids]
+        deltas = []
+        short = run_sync(self.ledger.alloc_decode(rids, deltas, drafts))
+        if short:
+            event("speculative decode short")
+            assert deltas == [] and self._pool_and_tree() == before
+            assert lengths == [
+                (self._rec(r).kv_committed_len, self._rec(r).kv_allocated_len) for r in rids
+            ]
+            return
+        self._apply(deltas)
+        for rid, k, (committed, allocated) in zip(rids, drafts, lengths):
+            rec = self._rec(rid)
+            step = data.draw(st.lists(st.integers(0, 50), min_size=1 + k, max_size=1 + k))
+            assert rec.kv_allocated_len == allocated + 1 + k
+            if k == 0:
+                assert rec.kv_committed_len == committed + 1  # allocation commits
+                self.tokens[rid] = np.append(self.tokens[rid], step)
+                self.kv.write(rec.req_pool_idx, self.tokens[rid], committed, committed + 1)
+                continue
+            event("draft slots reserved")
+            assert rec.kv_committed_len == committed, "a reservation committed"
+            candidate = np.append(self.tokens[rid], step)
+            self.kv.write(rec.req_pool_idx, candidate, committed, committed + 1 + k)
+            self.drafting[rid] = candidate
+
+    @precondition(lambda self: self.drafting)
+    @rule(data=st.data())
+    def commit_draft(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.drafting)))
+        rec, ps = self._rec(rid), self.page_size
+        committed, allocated = rec.kv_committed_len, rec.kv_allocated_len
+        accepted = data.draw(st.integers(1, allocated - committed))
+        free_before = self.ledger.pool.num_free
+        run_sync(self.ledger.commit_draft(rid, accepted))
+        candidate = self.drafting.pop(rid)
+        self.tokens[rid] = candidate[: committed + accepted]
+        end = committed + accepted
+        assert rec.kv_committed_len == rec.kv_allocated_len == end
+        freed = ceil_page(allocated, ps) // ps - ceil_page(end, ps) // ps
+        assert self.ledger.pool.num_free - free_before == freed, "the rejected tail's pages"
+        if freed:
+            event("rejected draft pages freed")
+        self.kv.assert_row_holds(rec.req_pool_idx, self.tokens[rid], end)
+        with pytest.raises(LedgerError, match="no draft slots"):
+            run_sync(self.ledger.commit_draft(rid, 1))
+
+    @precondition(lambda self: self.drafting)
+    @rule(data=st.data(), kind=st.sampled_from(["finish", "abort", "retract"]))
+    def release_mid_step(self, data, kind):
+        """Between a reservation and its commit only an abort may release the record."""
+        rid = data.draw(st.sampled_from(sorted(self.drafting)))
+        toks = self.tokens[rid]
+        if kind == "abort":
+            event("abort mid speculative step")
+            run_sync(self.ledger.abort(rid))
+            self.ledger.forget(rid)
+            del self.tokens[rid], self.drafting[rid]
+            return
+        before = self._pool_and_tree()
+        rec = self._rec(rid)
+        lengths = (rec.kv_committed_len, rec.kv_allocated_len)
+        with pytest.raises(LedgerError, match="not committed"):
+            if kind == "finish":
+                run_sync(self.ledger.finish(rid, toks))
+            else:
+                run_sync(self.ledger.retract(rid, toks))
+        assert self._pool_and_tree() == before and rec.is_held
+        assert (rec.kv_committed_len, rec.kv_allocated_len) == lengths
+        with pytest.raises(LedgerError, match="not committed"):
+            run_sync(self.ledger.alloc_decode([rid], []))
+
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data(), kind=st.sampled_from(["finish", "abort", "retract"]))
     def release(self, data, kind):
         cands = self._decoding() if kind == "finish" else self._held()
+        cands = [r for r in cands if r not in self.drafting]
         if not cands:
             return
         rid = data.draw(st.sampled_from(cands))
@@ -278,6 +369,9 @@ class LedgerMachine(RequestViews, RuleBasedStateMachine):
         if not hasattr(self, "ledger"):
             return
         run_sync(self.ledger.check())
+        for rid, rec in self.ledger.records.items():
+            if rec.is_held and rid not in self.drafting:
+                assert rec.kv_committed_len == rec.kv_allocated_len, f"request {rid} not at rest"
         holding = {r for r in self.tokens if self._rec(r) is not None and self._rec(r).is_held}
         assert set(self.ledger.records) == holding | self.retracted, (
             f"records {sorted(self.ledger.records)} but requests holding KV or retracted "
@@ -288,6 +382,7 @@ class LedgerMachine(RequestViews, RuleBasedStateMachine):
         if not hasattr(self, "ledger"):
             return
         target(float(self.duplicates_freed), label="duplicate pages freed")
+        self.drafting.clear()
         for rid in list(self.tokens):
             run_sync(self.ledger.abort(rid))
             self.ledger.forget(rid)

@@ -315,6 +315,41 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
         if self.window and len(self.tokens[rid]) > self.window + self.page_size:
             event("decoded past the window")
 
+    def _speculative_steps(self, data, rid, steps, token) -> None:
+        """Decode `rid` alone with draft tokens: each step reserves 1 + k slots, writes KV
+        in all of them (every query's window checked), then commits a drawn number of them
+        (the rejected tail freed); retract it when a step is short."""
+        for i in range(steps):
+            room = self.capacity - len(self.tokens[rid]) - 1
+            if room < 0:
+                return
+            k = data.draw(st.integers(0, min(6, room)), label="drafts")
+            before = self._state()
+            deltas = []
+            short = run_sync(self.ledger.alloc_decode([rid], deltas, [k]))
+            self._apply(deltas, "alloc_decode with drafts")
+            if short:
+                assert self._state() == before, "a short speculative step changed the pools"
+                self._retract(rid)
+                event("retracted under pressure")
+                return
+            rec = self._rec(rid)
+            start = len(self.tokens[rid])
+            candidate = np.append(
+                self.tokens[rid], [(token + 7 * i + j) % 50 for j in range(1 + k)]
+            )
+            self.tokens[rid] = candidate  # the window oracle reads the step's tokens
+            self.kv.write(rec.req_pool_idx, candidate, start, start + 1 + k)
+            self._check_window(rid, rec.req_pool_idx, start, start + 1 + k, "a speculative step")
+            if k == 0:
+                continue
+            accepted = data.draw(st.integers(1, 1 + k), label="accepted")
+            run_sync(self.ledger.commit_draft(rid, accepted))
+            self.tokens[rid] = candidate[: start + accepted]
+            assert rec.kv_committed_len == rec.kv_allocated_len == start + accepted
+            self.kv.assert_row_holds(rec.req_pool_idx, self.tokens[rid], start + accepted)
+            event("speculative step committed" if accepted > k else "draft tail rejected")
+
     def _retract(self, rid) -> None:
         run_sync(self.ledger.retract(rid, self.tokens[rid]))
         self.retracted.add(rid)
@@ -656,10 +691,25 @@ class SwaLedgerMachinePage16(SwaLedgerMachine):
     step_unit = 8
 
 
+class SpeculativeSwaLedgerMachine(SwaLedgerMachinePage16):
+    """The same machine with speculative steps among its rules (a machine of its own, so
+    the other machines explore as they did)."""
+
+    @rule(data=st.data(), steps=st.integers(1, 40), token=st.integers(0, 50))
+    def speculate(self, data, steps, token):
+        """Speculative steps (a session's turn too: its save after a partly rejected step
+        must be at rest and restore exactly the committed tokens)."""
+        cands = [r for r in self._decoding() if len(self.tokens[r]) < self.capacity]
+        if cands:
+            self._speculative_steps(data, data.draw(st.sampled_from(cands)), steps, token)
+
+
 TestSwaLedgerPage1 = SwaLedgerMachine.TestCase
 TestSwaLedgerPage1.settings = SETTINGS
 TestSwaLedgerPage16 = SwaLedgerMachinePage16.TestCase
 TestSwaLedgerPage16.settings = SETTINGS
+TestSpeculativeSwaLedger = SpeculativeSwaLedgerMachine.TestCase
+TestSpeculativeSwaLedger.settings = SETTINGS
 
 
 # ---- two findings of these machines, as examples (they fail until the ledger changes) ----

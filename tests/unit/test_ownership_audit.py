@@ -51,9 +51,12 @@ OWNER_SITES: dict[tuple[str, str, str], int] = {
     ("actors/allocator/ledger.py", "KvLedger.alloc_extend", "cache_protected_len"): 1,
     ("actors/allocator/ledger.py", "KvLedger.alloc_extend", "kv_allocated_len"): 1,
     ("actors/allocator/ledger.py", "KvLedger.alloc_extend", "kv_committed_len"): 1,
-    # one decode step: allocation commits
+    # one decode step: allocation commits (a step with drafts only reserves: allocated)
     ("actors/allocator/ledger.py", "KvLedger.alloc_decode", "kv_allocated_len"): 1,
     ("actors/allocator/ledger.py", "KvLedger.alloc_decode", "kv_committed_len"): 1,
+    # speculative decoding: the accepted positions commit, the rejected tail is freed
+    ("actors/allocator/ledger.py", "KvLedger.commit_draft", "kv_committed_len"): 1,
+    ("actors/allocator/ledger.py", "KvLedger.commit_draft", "kv_allocated_len"): 1,
     # chunked prefill: finished pages move into the tree
     ("actors/allocator/ledger.py", "KvLedger.cache_unfinished", "cache_protected_len"): 1,
     # the prompt keeps its sliding KV (unless kv.swa_free_prompt)

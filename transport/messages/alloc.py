@@ -51,8 +51,21 @@ class AllocExtendReply(HotMessage):
     deltas: SlotDeltas
 
 
+class DraftCommit(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Speculative decoding: of the slots the last step reserved for `rid`, the first
+    `accepted` (>= 1) hold KV of tokens it keeps; the rest are freed (`commit_draft`)."""
+
+    rid: int
+    accepted: int
+
+
 class AllocDecode(HotMessage):
+    """One slot per request for its next token, plus `drafts[i]` reserved slots for its draft
+    tokens (empty: none). `commits` (the previous step's) are applied first."""
+
     rids: list[int]
+    drafts: list[int] = []
+    commits: list[DraftCommit] = []
 
 
 class AllocDecodeReply(HotMessage):
@@ -84,7 +97,11 @@ class ReleaseItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class ReleaseBatch(HotMessage):
+    """Releases; `commits` (speculative steps' accepted positions) are applied first, so a
+    request finishing in a speculative step releases its record at rest."""
+
     items: list[ReleaseItem]
+    commits: list[DraftCommit] = []
 
 
 class KvStatsRequest(Message):
