@@ -38,12 +38,36 @@ Choices worth knowing:
 - Logits on a GPU are sampled there (`kernels.device_sampling`, same semantics, one copy of
   the token ids back) unless a request of the step has penalties, a grammar or logprobs;
   then the step's logits come to the CPU once.
+
+Verification of draft tokens (speculative decoding, ``Sampler.verify``): one request's k
+draft tokens are scored against the target model's k + 1 logits rows, row j being the
+distribution after draft[:j]. Each position is processed as ``sample`` would process that row
+with the request's state as it stands after the tokens emitted before it (bias, penalties
+counting them, the grammar mask of the matcher that accepted them, logprobs). The request
+emits the accepted drafts and then one more token, 1..k+1 in all, each recorded in order; the
+matcher only ever accepts emitted tokens, so nothing needs rolling back.
+
+- Greedy requests accept draft[j] iff it is the argmax ``sample`` takes at row j and emit that
+  argmax at the first mismatch (or at row k after k acceptances): output is identical with and
+  without speculation.
+- Sampled requests use rejection sampling (Leviathan et al. 2023, as vLLM's rejection
+  sampler). p_j is the distribution the ordinary draw uses at row j (temperature, then the
+  min-p/top-k/top-p value threshold, renormalised over the kept tokens); q_j is the drafter's
+  (a point mass at draft[j] unless ``draft_probs`` is given). draft[j] is accepted iff
+  u < `acceptance_probability` = min(1, p_j(d) / q_j(d)); on rejection one inverse-CDF draw from
+  `residual_distribution` = max(p_j - q_j, 0) (renormalised) is emitted; after k acceptances
+  row k is sampled as ``sample`` samples it. Each verified position uses one uniform from the
+  request's generator, a rejection one more: the emitted tokens are distributed exactly as
+  ``sample`` row by row would emit them, and a seed reproduces them.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import secrets
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,12 +278,40 @@ class Sampler:
         already a contiguous float32 CPU tensor). Each chosen token is recorded into its
         request's state.
         """
-        if self.num_threads is None:
+        with self._threads():
             return self._sample(rids, logits)
+
+    def verify(
+        self, rid: int, logits: Tensor, draft: Sequence[int], draft_probs: Tensor | None = None
+    ) -> SampleOutput:
+        """Score a request's k draft tokens with the target model's logits [k + 1, V] (row j:
+        the distribution of the token after draft[:j]) and return the tokens it emits this
+        step: the accepted drafts, then one more (the correction at the first rejection, or the
+        bonus token after all k were accepted): 1..k+1 tokens, each recorded into the
+        request's state (penalty counts, grammar matcher accept, num_sampled) in order.
+
+        ``draft_probs`` [k, V]: the drafter's distribution per position (rows summing to 1);
+        None for a drafter that proposes point masses (n-gram lookup). Greedy requests ignore
+        it. ``SampleOutput`` rows are the emitted tokens (logprobs and top_logprobs per emitted
+        token, as ``sample`` reports them). Rows up to the last emitted one get their
+        penalties in place, as ``sample`` edits its logits. Logits on a GPU: a greedy request
+        without penalties, grammar or logprobs takes every row's argmax there (one copy of k + 1
+        ids back); otherwise the rows come to the CPU once. Bad input (row count, draft ids
+        outside the vocabulary, ``draft_probs`` shape) raises ValueError before any state
+        changes; an empty draft is ``sample([rid], logits)``.
+        """
+        with self._threads():
+            return self._verify(rid, logits, draft, draft_probs)
+
+    @contextmanager
+    def _threads(self) -> Iterator[None]:
+        if self.num_threads is None:
+            yield
+            return
         previous = torch.get_num_threads()
         torch.set_num_threads(self.num_threads)
         try:
-            return self._sample(rids, logits)
+            yield
         finally:
             torch.set_num_threads(previous)
 
@@ -292,11 +344,7 @@ class Sampler:
             return SampleOutput(tokens=[])
         params = [s.params for s in states]
 
-        if any(p.has_penalties for p in params):
-            self._apply_penalties(states, logits)
-        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
-        if constrained:
-            self._apply_grammars(states, constrained, logits)
+        self._adjust(states, logits)
 
         tokens = torch.empty(len(rids), dtype=torch.int64)
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
@@ -317,7 +365,107 @@ class Sampler:
             state.record(token)
         return output
 
+    # --- verification of draft tokens ---------------------------------------------------
+
+    @torch.inference_mode()
+    def _verify(
+        self, rid: int, logits: Tensor, draft: Sequence[int], draft_probs: Tensor | None
+    ) -> SampleOutput:
+        state = self._states.get(rid)
+        if state is None:
+            raise KeyError(f"requests not registered with the sampler: [{rid}]")
+        draft = _checked_draft(logits, draft, draft_probs)
+        if not draft:
+            return self._sample([rid], logits)
+        params = state.params
+        if logits.device.type != "cpu":
+            if params.is_greedy and state.matcher is None and simple_enough(params):
+                # Every row's argmax on the logits' device, one copy of k + 1 ids back: the
+                # tokens `sample` takes there row by row, as nothing edits these rows.
+                chain = logits.float().argmax(dim=-1).tolist()
+                tokens = chain[: _accepted(draft, chain) + 1]
+                for token in tokens:
+                    state.record(token)
+                return SampleOutput(tokens=tokens)
+            logits = logits.float().cpu()
+        if logits.dtype != torch.float32 or not logits.is_contiguous():
+            logits = logits.float().contiguous()
+        if params.is_greedy:
+            outputs = []
+            for j in range(len(draft) + 1):
+                outputs.append(self._sample([rid], logits[j : j + 1]))
+                if j == len(draft) or outputs[-1].tokens[0] != draft[j]:
+                    break
+            return _joined(outputs, params.logprobs)
+        return self._verify_sampled(rid, state, logits, draft, draft_probs)
+
+    def _verify_sampled(
+        self,
+        rid: int,
+        state: SamplerState,
+        logits: Tensor,
+        draft: list[int],
+        draft_probs: Tensor | None,
+    ) -> SampleOutput:
+        """Rejection sampling over the draft (module docstring); the bonus row by `_sample`."""
+        params, vocab = state.params, logits.shape[1]
+        q_at_draft = (
+            [1.0] * len(draft)
+            if draft_probs is None
+            else draft_probs[torch.arange(len(draft)), torch.tensor(draft)].double().tolist()
+        )
+        outputs = []
+        for j, proposed in enumerate(draft):
+            row = logits[j : j + 1]
+            self._adjust([state], row)
+            weights, threshold, candidates = self._truncation(row, [0], [params])
+            _, cdf, mask = self._workspace(1, vocab)
+            cut = float(threshold[0])
+            fetched = candidates.get(0)
+            masked = False
+            if fetched is not None and fetched.values[-1] < cut:  # every kept weight fetched
+                total = float(fetched.values[fetched.values >= cut].sum(dtype=np.float64))
+            else:
+                _drop_below(weights, cut, mask)
+                masked = True
+                total = float(weights.sum())
+            weight = float(weights[0, proposed])
+            p_proposed = weight / total if weight >= cut else 0.0
+            accept = state.next_uniform() < acceptance_probability(p_proposed, q_at_draft[j])
+            if accept:
+                token = proposed
+            else:
+                if not masked:
+                    _drop_below(weights, cut, mask)
+                p = weights[0].div_(total)
+                if draft_probs is None:
+                    q = torch.zeros(vocab)
+                    q[proposed] = 1.0
+                else:
+                    q = draft_probs[j].float().cpu()
+                token = _draw_residual(p, q, state.next_uniform(), cdf[0], mask[0])
+            outputs.append(SampleOutput(tokens=[token]))
+            if params.logprobs:
+                scratch = self._workspace(1, vocab)[0]
+                chosen = torch.tensor([token])
+                outputs[-1].logprobs, outputs[-1].top_logprobs = _logprobs(
+                    row, chosen, [params], scratch
+                )
+            state.record(token)
+            if not accept:
+                return _joined(outputs, params.logprobs)
+        outputs.append(self._sample([rid], logits[len(draft) :]))
+        return _joined(outputs, params.logprobs)
+
     # --- penalties ------------------------------------------------------------------------
+
+    def _adjust(self, states: list[SamplerState], logits: Tensor) -> None:
+        """Bias, penalties, then grammar masks, in place on ``logits`` (row i: states[i])."""
+        if any(s.params.has_penalties for s in states):
+            self._apply_penalties(states, logits)
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if constrained:
+            self._apply_grammars(states, constrained, logits)
 
     def _apply_penalties(self, states: list[SamplerState], logits: Tensor) -> None:
         vocab = logits.shape[1]
@@ -386,9 +534,40 @@ class Sampler:
         return self._probs_buf[:rows], self._cdf_buf[:rows], self._mask_buf[:rows]
 
     def _sample_rows(self, logits: Tensor, rows: list[int], states: list[SamplerState]) -> Tensor:
+        weights, threshold, candidates = self._truncation(
+            logits, rows, [states[i].params for i in rows]
+        )
+        _, cdf, mask = self._workspace(len(rows), logits.shape[1])
+        uniforms = [states[i].next_uniform() for i in rows]
+        chosen = torch.empty(len(rows), dtype=torch.int64)
+        # Rows whose kept set lies inside the fetched candidates skip the full-vocabulary passes;
+        # both paths compute the same float32 CDF over kept tokens in vocabulary order.
+        full_rows = []
+        for j in range(len(rows)):
+            fetched = candidates.get(j)
+            if fetched is not None and fetched.values[-1] < threshold[j]:
+                chosen[j] = fetched.draw(float(threshold[j]), uniforms[j])
+            else:
+                full_rows.append(j)
+        if full_rows:
+            chosen[full_rows] = _draw_full(
+                _take_rows(weights, full_rows),
+                torch.from_numpy(threshold[full_rows]),
+                torch.tensor([uniforms[j] for j in full_rows], dtype=torch.float64),
+                cdf[: len(full_rows)],
+                mask[: len(full_rows)],
+            )
+        return chosen
+
+    def _truncation(
+        self, logits: Tensor, rows: list[int], params: list[RowParams]
+    ) -> tuple[Tensor, np.ndarray, dict[int, _Candidates]]:
+        """The distribution each listed row of ``logits`` is drawn from, as (weights, threshold,
+        candidates): weights [len(rows), V] (a workspace buffer) are exp(x / T - rowmax), 0 below
+        exp(-87); the kept tokens are those with weight >= threshold[j] (float32 per row);
+        candidates[j], where top-k or top-p fetched them, are row j's largest weights."""
         vocab = logits.shape[1]
-        params = [states[i].params for i in rows]
-        weights, cdf, mask = self._workspace(len(rows), vocab)
+        weights, cdf, _ = self._workspace(len(rows), vocab)
         temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
         if len(rows) == logits.shape[0]:
             torch.div(logits, temperature, out=weights)
@@ -420,27 +599,87 @@ class Sampler:
             )
             threshold[by_top_p_only] = np.maximum(threshold[by_top_p_only], cuts)
             candidates.update((j, c) for j, c in zip(by_top_p_only, fetched) if c is not None)
+        return weights, threshold, candidates
 
-        uniforms = [states[i].next_uniform() for i in rows]
-        chosen = torch.empty(len(rows), dtype=torch.int64)
-        # Rows whose kept set lies inside the fetched candidates skip the full-vocabulary passes;
-        # both paths compute the same float32 CDF over kept tokens in vocabulary order.
-        full_rows = []
-        for j in range(len(rows)):
-            fetched = candidates.get(j)
-            if fetched is not None and fetched.values[-1] < threshold[j]:
-                chosen[j] = fetched.draw(float(threshold[j]), uniforms[j])
-            else:
-                full_rows.append(j)
-        if full_rows:
-            chosen[full_rows] = _draw_full(
-                _take_rows(weights, full_rows),
-                torch.from_numpy(threshold[full_rows]),
-                torch.tensor([uniforms[j] for j in full_rows], dtype=torch.float64),
-                cdf[: len(full_rows)],
-                mask[: len(full_rows)],
-            )
-        return chosen
+
+def acceptance_probability(p_d: float, q_d: float) -> float:
+    """The probability of accepting a draft token d: min(1, p(d) / q(d)) for target
+    probability p(d) and drafter probability q(d); 0 whenever the target gives d nothing."""
+    if p_d <= 0.0:
+        return 0.0
+    if p_d >= q_d:
+        return 1.0
+    return p_d / q_d
+
+
+def residual_distribution(p: Tensor, q: Tensor) -> Tensor:
+    """What a rejected position draws from: max(p - q, 0) over the vocabulary, unnormalised
+    (the draw normalises). With acceptance by `acceptance_probability`, accepting or drawing
+    from it emits a token distributed exactly by p."""
+    return torch.sub(p, q).clamp_(min=0.0)
+
+
+def _draw_residual(p: Tensor, q: Tensor, uniform: float, cdf: Tensor, mask: Tensor) -> int:
+    """Inverse-CDF draw from `residual_distribution(p, q)` ([V] each; ``cdf``, ``mask``:
+    [V] scratch). A residual with no mass (p == q up to rounding, where rejection has
+    probability ~0) falls back to p itself."""
+    residual = residual_distribution(p, q)
+    if not float(residual.sum()) > 0.0:
+        residual = p
+    chosen = _draw_full(
+        residual.unsqueeze(0),
+        torch.zeros(1),
+        torch.tensor([uniform], dtype=torch.float64),
+        cdf.unsqueeze(0),
+        mask.unsqueeze(0),
+    )
+    return int(chosen[0])
+
+
+def _drop_below(weights: Tensor, cut: float, mask: Tensor) -> None:
+    """Zero, in place, the weights of one row [1, V] below ``cut`` (``mask``: [1, V] scratch)."""
+    if cut > 0.0:
+        torch.lt(weights, cut, out=mask)
+        weights.masked_fill_(mask, 0.0)
+
+
+def _checked_draft(logits: Tensor, draft: Sequence[int], draft_probs: Tensor | None) -> list[int]:
+    """``draft`` as a list of ints, after checking it against ``logits`` and ``draft_probs``."""
+    try:
+        ids = [operator.index(t) for t in draft]
+    except TypeError:
+        raise ValueError("draft token ids must be integers") from None
+    if logits.dim() != 2 or logits.shape[0] != len(ids) + 1:
+        raise ValueError(
+            f"logits must be [len(draft) + 1 = {len(ids) + 1}, V], got {tuple(logits.shape)}"
+        )
+    vocab = logits.shape[1]
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"draft token ids {bad[:5]} are outside the vocabulary of {vocab}")
+    if draft_probs is not None and tuple(draft_probs.shape) != (len(ids), vocab):
+        raise ValueError(
+            f"draft_probs must be [len(draft) = {len(ids)}, {vocab}], "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    return ids
+
+
+def _accepted(draft: list[int], chain: list[int]) -> int:
+    """How many leading drafts equal the target's tokens."""
+    for j, token in enumerate(draft):
+        if token != chain[j]:
+            return j
+    return len(draft)
+
+
+def _joined(outputs: list[SampleOutput], with_logprobs: bool) -> SampleOutput:
+    """One request's single-token outputs as one output, a row per token."""
+    joined = SampleOutput(tokens=[t for out in outputs for t in out.tokens])
+    if with_logprobs:
+        joined.logprobs = [lp for out in outputs for lp in out.logprobs]
+        joined.top_logprobs = [top for out in outputs for top in out.top_logprobs]
+    return joined
 
 
 def _draw_full(
