@@ -293,58 +293,93 @@ class ModelRunnerActor(Actor):
             ),
         )
         prompt = _PromptLogprobs()
-        if any(k >= 0 for k in msg.prompt_logprobs):
-            full = [k >= 0 for k in msg.prompt_logprobs]
+        wants_prompt = [k >= 0 for k in msg.prompt_logprobs] or [False] * len(msg.rids)
+        drafts = msg.draft_lens or [0] * len(msg.rids)
+        full = [w or k > 0 for w, k in zip(wants_prompt, drafts)]
+        spans: dict[int, torch.Tensor] = {}  # request index -> logits of all its new tokens
+        if any(full):
             logits, per_request = self.executor.forward_full(batch, full)
-            prompt.compute(msg, inputs, per_request)  # raw logits: before any penalty
+            spans = dict(zip([i for i, f in enumerate(full) if f], per_request))
+            if any(wants_prompt):  # raw logits: before any penalty
+                prompt.compute(msg, inputs, [spans[i] for i, w in enumerate(wants_prompt) if w])
         else:
             logits = self.executor.forward(batch)
-        if failed:  # their rows of the logits are left unused
-            dead = set(failed)
-            rows = [i for i, need in enumerate(msg.need_logits) if need]
-            live = [j for j, i in enumerate(rows) if msg.rids[i] not in dead]
-            if len(live) < len(rows):
-                logits = logits[live]
-        sample_rids = [
-            rid for rid, need in zip(msg.rids, msg.need_logits) if need and rid not in failed
-        ]
-        out = sampler.sample(sample_rids, logits) if sample_rids else None
+        # Row j of `logits` is request need[j]'s last new token. Plain rows are sampled in one
+        # batch; a request with drafts has them verified against all its rows, alone.
+        need = [i for i, n in enumerate(msg.need_logits) if n]
+        dead = set(failed)  # their rows of the logits are left unused
+        plain = [j for j, i in enumerate(need) if msg.rids[i] not in dead and not drafts[i]]
+        emitted: dict = {}  # request index -> its kernels.sampling.SampleOutput
+        if plain:
+            rows = logits if len(plain) == logits.shape[0] else logits[plain]
+            out = sampler.sample([msg.rids[need[j]] for j in plain], rows)
+            for k, j in enumerate(plain):
+                emitted[need[j]] = _row(out, k)
+        for i in need:
+            if drafts[i] and msg.rids[i] not in dead:
+                draft = inputs[i][1:]
+                emitted[i] = sampler.verify(msg.rids[i], spans[i], list(draft))
         elapsed = time.perf_counter() - t0
         self.steps += 1
         self.forward_s += elapsed
-        if out is None:
-            return StepResultMsg(
-                step=msg.step,
-                rids=[],
-                tokens=[],
-                forward_ms=elapsed * 1e3,
-                failed_rids=failed,
-                failure=failure,
-                **prompt.fields(),
-            )
-        logprobs: list[float] = []
-        top_ids: list[list[int]] = []
-        top_lps: list[list[float]] = []
-        if out.logprobs is not None:
-            logprobs = [0.0 if lp is None else float(lp) for lp in out.logprobs]
-        if out.top_logprobs is not None:
-            top_ids = [[t for t, _ in row] for row in out.top_logprobs]
-            top_lps = [[float(lp) for _, lp in row] for row in out.top_logprobs]
+        result = _Emitted.collect(msg, emitted)
         return StepResultMsg(
             step=msg.step,
-            rids=sample_rids,
-            tokens=[int(t) for t in out.tokens],
-            logprobs=logprobs,
-            top_ids=top_ids,
-            top_logprobs=top_lps,
             forward_ms=elapsed * 1e3,
             failed_rids=failed,
             failure=failure,
+            **result,
             **prompt.fields(),
         )
 
     def stats(self) -> dict[str, int | float]:
         return {"runner_steps": self.steps, "runner_forward_s": round(self.forward_s, 3)}
+
+
+def _row(out, k: int):
+    """Row k of a batched `SampleOutput`, as a one-token `SampleOutput`."""
+    from kernels.sampling import SampleOutput
+
+    return SampleOutput(
+        tokens=[out.tokens[k]],
+        logprobs=None if out.logprobs is None else [out.logprobs[k]],
+        top_logprobs=None if out.top_logprobs is None else [out.top_logprobs[k]],
+    )
+
+
+class _Emitted:
+    """The step's tokens per request, flat, in batch order (`StepResultMsg` fields)."""
+
+    @staticmethod
+    def collect(msg: ForwardBatchMsg, emitted: dict) -> dict:
+        rids, counts, tokens = [], [], []
+        logprobs: list[float] = []
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        any_lp = any(o.logprobs is not None for o in emitted.values())
+        any_top = any(o.top_logprobs is not None for o in emitted.values())
+        for i in sorted(emitted):
+            out = emitted[i]
+            rids.append(msg.rids[i])
+            counts.append(len(out.tokens))
+            tokens += [int(t) for t in out.tokens]
+            if any_lp:
+                lps = out.logprobs or [None] * len(out.tokens)
+                logprobs += [0.0 if lp is None else float(lp) for lp in lps]
+            if any_top:
+                tops = out.top_logprobs or [[] for _ in out.tokens]
+                top_ids += [[t for t, _ in row] for row in tops]
+                top_lps += [[float(lp) for _, lp in row] for row in tops]
+        fields = {
+            "rids": rids,
+            "tokens": tokens,
+            "logprobs": logprobs,
+            "top_ids": top_ids,
+            "top_logprobs": top_lps,
+        }
+        if any(c != 1 for c in counts):
+            fields["counts"] = counts
+        return fields
 
 
 class _PromptLogprobs:

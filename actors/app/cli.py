@@ -16,6 +16,7 @@ Precedence, lowest first: the config file, KVACTOR_<SECTION>_<KEY> environment v
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -91,7 +92,38 @@ def serve_overrides(args) -> dict:
         out["kv.radix"] = args.prefix_caching
     if args.allowed_origins:
         out["server.allowed_origins"] = args.allowed_origins
+    if args.speculative_config is not None:
+        out.update(speculative_overrides(args.speculative_config))
     return out
+
+
+# vLLM's --speculative-config keys that mean the same here
+SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+)
+
+
+def speculative_overrides(text: str) -> dict:
+    """The `speculative.*` keys vLLM's `--speculative-config` JSON sets; `ConfigError`
+    naming what is not JSON or not supported here."""
+    from actors.app.config import ConfigError
+
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError("--speculative-config must be a JSON object")
+    unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"--speculative-config: {unknown} not supported here; "
+            f"supported keys: {list(SPECULATIVE_KEYS)} (methods: ngram, suffix, none)"
+        )
+    return {f"speculative.{key}": value for key, value in spec.items()}
 
 
 def _config(args, **extra):
@@ -141,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         metavar="ORIGIN",
         help='CORS origins ("*" for any); off by default',
+    )
+    serve.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='speculative decoding as vLLM\'s, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (methods: ngram, suffix)',
     )
     serve.add_argument("--zmq", help="ZeroMQ client endpoint, e.g. tcp://127.0.0.1:5557")
     serve.add_argument(
@@ -282,7 +320,11 @@ async def _serve(args) -> int:
     from actors.app.serving import ServingEngine
     from actors.app.specs import serving_specs
 
-    cfg = load_config(args.config, args.set, **serve_overrides(args))
+    try:
+        overrides = serve_overrides(args)
+    except ConfigError as exc:
+        raise SystemExit(f"bin/engine: {exc}") from None
+    cfg = load_config(args.config, args.set, **overrides)
     for warning in exposure_warnings(cfg, args.zmq):
         print(f"bin/engine: warning: {warning}", file=sys.stderr, flush=True)
     try:

@@ -93,6 +93,18 @@ class SchedulerSection(_Section):
     min_new_token_ratio: float = 0.1  # this floor while no retraction happens
 
 
+class SpeculativeSection(_Section):
+    # Speculative decoding with drafters that need no second model: "ngram" (prompt lookup
+    # in the request's own tokens), "suffix" (that, and earlier requests' outputs), "none".
+    method: Literal["none", "ngram", "suffix"] = "none"
+    num_speculative_tokens: int = 4  # draft tokens verified per step, at most
+    prompt_lookup_min: int = 2  # the shortest tail n-gram a draft is looked up by
+    prompt_lookup_max: int = 4  # the longest (tried first)
+    # Decode requests in a step above which nobody drafts (the step is compute-bound)
+    max_batch: int = 4
+    suffix_max_entries: int = 200_000  # contexts the shared suffix index keeps, LRU
+
+
 class SessionsSection(_Section):
     # open streaming sessions at most (each may pin a row and pages); also at most
     # kv.max_rows - scheduler.max_running_requests, so sessions never starve requests of rows
@@ -152,6 +164,7 @@ class EngineConfig(_Section):
     engine: EngineSection = msgspec.field(default_factory=EngineSection)
     server: ServerSection = msgspec.field(default_factory=ServerSection)
     sessions: SessionsSection = msgspec.field(default_factory=SessionsSection)
+    speculative: SpeculativeSection = msgspec.field(default_factory=SpeculativeSection)
 
     @classmethod
     def load(
@@ -219,6 +232,19 @@ class EngineConfig(_Section):
                 "scheduler: 0 <= min_new_token_ratio <= new_token_ratio <= 1 must hold",
             ),
             (self.model.threads >= 0, "model.threads must be >= 0"),
+            (
+                self.speculative.num_speculative_tokens >= 1,
+                "speculative.num_speculative_tokens must be >= 1",
+            ),
+            (
+                1 <= self.speculative.prompt_lookup_min <= self.speculative.prompt_lookup_max,
+                "speculative: 1 <= prompt_lookup_min <= prompt_lookup_max must hold",
+            ),
+            (self.speculative.max_batch >= 1, "speculative.max_batch must be >= 1"),
+            (
+                self.speculative.suffix_max_entries >= 1,
+                "speculative.suffix_max_entries must be >= 1",
+            ),
             (
                 self.engine.grammar_compile_timeout_s > 0,
                 "engine.grammar_compile_timeout_s must be > 0",

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from actors.app.config import ConfigError, EngineConfig
 from actors.app.model_info import generation_defaults, read_chat_template, served_names
 from actors.frontends.base import FrontendActor
@@ -283,6 +285,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 new_token_ratio=sch.new_token_ratio,
                 min_new_token_ratio=sch.min_new_token_ratio,
                 sliding_window=window,
+                speculative=msgspec.to_builtins(cfg.speculative),
             ),
             group=group("scheduler", "main"),
         ),

@@ -48,6 +48,7 @@ from actors.scheduler.policy import (
     unstick,
 )
 from actors.scheduler.request import Req
+from actors.speculation.policy import SpeculationConfig
 from kvcore.salt import salted_tokens
 from transport.channel import ChannelClosed
 from transport.messages.alloc import (
@@ -102,6 +103,7 @@ class SchedulerActor(Actor):
         ratio_decay_steps: int = 600,
         runner_timeout_s: float = 600.0,
         sliding_window: int = 0,
+        speculative: dict | None = None,
     ) -> None:
         if policy not in tuple(Policy):
             raise ValueError(f"policy must be 'fcfs' or 'lpm', got {policy!r}")
@@ -114,7 +116,12 @@ class SchedulerActor(Actor):
             sliding_window=sliding_window,
         )
         ratio = NewTokenRatio(new_token_ratio, min_new_token_ratio, ratio_decay_steps)
-        self.core = SchedulerCore(limits, policy_name=Policy(policy), ratio=ratio)
+        self.core = SchedulerCore(
+            limits,
+            policy_name=Policy(policy),
+            ratio=ratio,
+            speculation=SpeculationConfig(**(speculative or {})),
+        )
         self.radix = radix
         self.runner_timeout_s = runner_timeout_s
         self.wake = anyio.Event()
@@ -202,7 +209,7 @@ class SchedulerActor(Actor):
         core.apply_ends(out)
         await self._send_releases(out)
         decode = await self._schedule_decode(out)
-        prefill = await self._schedule_prefill(len(decode), out)
+        prefill = await self._schedule_prefill(sum(1 + len(r.draft) for r in decode), out)
         if not decode and not prefill:
             action = unstick(core.running, core.prefilling, core.waiting)
             if isinstance(action, Retract):
@@ -305,10 +312,15 @@ class SchedulerActor(Actor):
     async def _schedule_decode(self, out: StepOutbox) -> list[Req]:
         core = self.core
         decode = list(core.running)
+        drafts = core.plan_drafts(decode)
         while decode:
             await self._send_releases(out)
             reply = await self._call(
-                self.alloc, AllocDecode(rids=[r.rid for r in decode]), expect=AllocDecodeReply
+                self.alloc,
+                AllocDecode(
+                    rids=[r.rid for r in decode], drafts=drafts, commits=core.take_commits()
+                ),
+                expect=AllocDecodeReply,
             )
             if reply.short_pages == 0:
                 core.on_decode_granted(decode, reply.deltas)
@@ -316,6 +328,11 @@ class SchedulerActor(Actor):
             # Refused (nothing allocated), but the reply may carry unmappings of pages the
             # releases just before it freed: the runner must still hear them.
             core.carry_deltas.append(reply.deltas)
+            if drafts:
+                # Draft slots are the first thing to give up under pressure.
+                core.drop_drafts(decode)
+                drafts = []
+                continue
             action = on_decode_shortfall(decode, core.prefilling)
             if isinstance(action, CutShort):
                 # Even alone it cannot grow: the pool is too small for this context.
@@ -328,7 +345,10 @@ class SchedulerActor(Actor):
         return decode
 
     async def _retract(self, victim: Req) -> None:
-        await self._call(self.alloc, ReleaseBatch(items=[self.core.retract_item(victim)]))
+        await self._call(
+            self.alloc,
+            ReleaseBatch(items=[self.core.retract_item(victim)], commits=self.core.take_commits()),
+        )
         self.core.on_retracted(victim)
 
     async def _schedule_prefill(self, num_decode: int, out: StepOutbox) -> list[PrefillWork]:
@@ -381,7 +401,10 @@ class SchedulerActor(Actor):
     async def _send_releases(self, out: StepOutbox) -> None:
         """Pending releases reach the allocator before the step allocates anything more."""
         if out.releases:
-            await self._call(self.alloc, ReleaseBatch(items=out.take_releases()))
+            await self._call(
+                self.alloc,
+                ReleaseBatch(items=out.take_releases(), commits=self.core.take_commits()),
+            )
 
     async def _flush(self, out: StepOutbox, hold_report: bool = False) -> None:
         """Releases now; the token report now, or (`hold_report`) with the next forward."""

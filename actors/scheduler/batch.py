@@ -39,19 +39,27 @@ class SampledToken:
     top_logprobs: tuple[float, ...] = ()
 
 
-def sampled_tokens(result: StepResultMsg) -> dict[int, SampledToken]:
-    """rid -> its token of the step."""
-    out = {}
-    for i, (rid, tok) in enumerate(zip(result.rids, result.tokens)):
-        if result.logprobs:
-            out[rid] = SampledToken(
-                tok,
-                result.logprobs[i],
-                tuple(result.top_ids[i]) if result.top_ids else (),
-                tuple(result.top_logprobs[i]) if result.top_logprobs else (),
-            )
-        else:
-            out[rid] = SampledToken(tok)
+def sampled_tokens(result: StepResultMsg) -> dict[int, list[SampledToken]]:
+    """rid -> its tokens of the step (one, or a speculative step's accepted run)."""
+    counts = result.counts or [1] * len(result.rids)
+    out: dict[int, list[SampledToken]] = {}
+    i = 0
+    for rid, n in zip(result.rids, counts):
+        toks = []
+        for j in range(i, i + n):
+            if result.logprobs:
+                toks.append(
+                    SampledToken(
+                        result.tokens[j],
+                        result.logprobs[j],
+                        tuple(result.top_ids[j]) if result.top_ids else (),
+                        tuple(result.top_logprobs[j]) if result.top_logprobs else (),
+                    )
+                )
+            else:
+                toks.append(SampledToken(result.tokens[j]))
+        out[rid] = toks
+        i += n
     return out
 
 
@@ -230,14 +238,17 @@ def forward_batch(
     finished_rids: Sequence[int],
 ) -> tuple[ForwardBatchMsg, list[Req]]:
     """The step's forward batch, and the requests it registers with the runner."""
-    rids, rows, prefix, ext, ids, need = [], [], [], [], [], []
+    rids, rows, prefix, ext, ids, need, drafts = [], [], [], [], [], [], []
     for req in decode:
         rids.append(req.rid)
         rows.append(req.row)
-        prefix.append(req.committed - 1)
-        ext.append(1)
+        # With drafts the step's position is not committed yet (it is with the verdict).
+        prefix.append(req.committed if req.draft else req.committed - 1)
+        ext.append(1 + len(req.draft))
         ids.append(req.output_ids[-1] if req.output_ids else req.prompt_ids[-1])
+        ids.extend(req.draft)
         need.append(True)
+        drafts.append(len(req.draft))
     prompt_lps, next_ids = [-1] * len(decode), [-1] * len(decode)
     for work in prefill:
         req = work.req
@@ -255,6 +266,9 @@ def forward_batch(
             next_ids.append(-1)
     if all(k < 0 for k in prompt_lps):
         prompt_lps, next_ids = [], []
+    drafts += [0] * len(prefill)
+    if not any(drafts):
+        drafts = []
     new: list[Req] = []
     for req in [*decode, *(w.req for w in prefill)]:
         if not req.registered and req not in new:
@@ -272,5 +286,6 @@ def forward_batch(
         finished_rids=list(finished_rids),
         prompt_logprobs=prompt_lps,
         next_ids=next_ids,
+        draft_lens=drafts,
     )
     return batch, new

@@ -21,7 +21,15 @@ from actors.scheduler.batch import PrefillWork, StepOutbox, forward_batch, sampl
 from actors.scheduler.policy import Chunk, NewTokenRatio, Policy, SchedulerLimits
 from actors.scheduler.request import Req
 from actors.scheduler.stats import StepTokenHistogram
-from transport.messages.alloc import ExtendGrantItem, KvStats, ReleaseItem, ReleaseKind, SlotDeltas
+from actors.speculation.policy import SpeculationConfig, Speculator
+from transport.messages.alloc import (
+    DraftCommit,
+    ExtendGrantItem,
+    KvStats,
+    ReleaseItem,
+    ReleaseKind,
+    SlotDeltas,
+)
 from transport.messages.engine import FinishReason, NewRequest, SchedulerStats
 from transport.messages.runner import ForwardBatchMsg, StepResultMsg
 
@@ -50,6 +58,7 @@ class SchedulerCore:
         *,
         policy_name: Policy = Policy.FCFS,
         ratio: NewTokenRatio,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         self.limits = limits
         self.policy = Policy(policy_name)
@@ -61,6 +70,10 @@ class SchedulerCore:
         self.pending_ends: dict[int, FinishReason] = {}
         self.unregister: list[int] = []  # sampler states the runner may drop
         self.carry_deltas: list[SlotDeltas] = []  # row rewrites to ship with the next batch
+        self.speculator = Speculator(speculation or SpeculationConfig())
+        # Speculative steps' accepted positions, for the allocator's next AllocDecode or
+        # ReleaseBatch (whichever goes first; it applies them before anything else)
+        self.pending_commits: list[DraftCommit] = []
         self.step_no = 0
         self.counters = SchedulerCounters()
 
@@ -113,9 +126,12 @@ class SchedulerCore:
         """Record the end of a request (already out of the queues); its KV release goes in
         `out`, with its last tokens and finish reason in the token report."""
         del self.reqs[req.rid]
+        # Only a request that ended well leaves its KV to the prefix cache (and its output
+        # to a shared drafter).
+        cache = reason not in (FinishReason.ABORT, FinishReason.ERROR)
+        self.speculator.finished(req, learn=cache)
+        req.draft = []
         if req.admitted:
-            # Only a request that ended well leaves its KV to the prefix cache.
-            cache = reason not in (FinishReason.ABORT, FinishReason.ERROR)
             out.releases.append(
                 ReleaseItem(
                     rid=req.rid,
@@ -184,9 +200,29 @@ class SchedulerCore:
         self.finish(req, FinishReason.LENGTH if req.output_ids else FinishReason.ERROR, out)
 
     # ---- decode ----------------------------------------------------------------------------
-    def on_decode_granted(self, decode: Sequence[Req], deltas: SlotDeltas) -> None:
+    def plan_drafts(self, decode: Sequence[Req]) -> list[int]:
+        """This step's draft tokens per decode request (`req.draft`), as counts for
+        `AllocDecode` ([] when nobody drafts)."""
+        if not self.speculator.plan(
+            list(decode), self.limits.row_capacity, self.limits.max_batch_tokens
+        ):
+            return []
+        return [len(r.draft) for r in decode]
+
+    def drop_drafts(self, decode: Sequence[Req]) -> None:
         for req in decode:
-            req.committed += 1
+            req.draft = []
+
+    def take_commits(self) -> list[DraftCommit]:
+        commits, self.pending_commits = self.pending_commits, []
+        return commits
+
+    def on_decode_granted(self, decode: Sequence[Req], deltas: SlotDeltas) -> None:
+        """Slots granted: a request without drafts committed its step's position already;
+        one with drafts commits after verification (`apply_results`)."""
+        for req in decode:
+            if not req.draft:
+                req.committed += 1
         self.carry_deltas.append(deltas)
         self.counters.decode_steps += 1
         self.ratio.decay()
@@ -205,10 +241,11 @@ class SchedulerCore:
         self.ratio.after_retraction(self.running)
 
     # ---- prefill ---------------------------------------------------------------------------
-    def prefill_budget(self, num_decode: int) -> int:
+    def prefill_budget(self, decode_tokens: int) -> int:
+        """Prefill tokens this step may compute besides `decode_tokens` (drafts included)."""
         if not (self.prefilling or self.waiting):
             return 0
-        return max(self.limits.max_batch_tokens - num_decode, 0)
+        return max(self.limits.max_batch_tokens - decode_tokens, 0)
 
     def continuing_chunks(self, budget: int) -> list[Chunk]:
         return policy.continuing_chunks(self.prefilling, budget, self.limits.chunk_size)
@@ -253,7 +290,9 @@ class SchedulerCore:
     # ---- the forward and its results -------------------------------------------------------
     def build_batch(self, decode: Sequence[Req], prefill: Sequence[PrefillWork]) -> ForwardBatchMsg:
         self.step_no += 1
-        self.counters.step_tokens.observe(len(decode) + sum(w.end - w.start for w in prefill))
+        self.counters.step_tokens.observe(
+            sum(1 + len(r.draft) for r in decode) + sum(w.end - w.start for w in prefill)
+        )
         deltas, self.carry_deltas = self.carry_deltas, []
         unregister, self.unregister = self.unregister, []
         batch, new = forward_batch(self.step_no, decode, prefill, deltas, unregister)
@@ -288,17 +327,29 @@ class SchedulerCore:
                 self.prefilling.remove(req)
                 self.running.append(req)
         for req in [*decode, *(w.req for w in prefill)]:
-            s = sampled.get(req.rid)
-            if s is None or req.rid in failed:
+            emitted = sampled.get(req.rid)
+            if emitted is None or req.rid in failed:
                 continue
-            req.output_ids.append(s.token)
-            self.counters.generated_tokens += 1
-            reason = policy.finish_reason(req, s.token, self.limits.row_capacity)
+            kept, reason = [], None
+            for s in emitted:  # a speculative step's run is cut where the request ends
+                req.output_ids.append(s.token)
+                kept.append(s)
+                reason = policy.finish_reason(req, s.token, self.limits.row_capacity)
+                if reason is not None:
+                    break
+            self.counters.generated_tokens += len(kept)
+            if req.draft:
+                # KV holds the step's input and the accepted drafts; what the request keeps
+                # of them is committed (its last kept token's KV is the next step's work).
+                self.speculator.observe(req, len(req.draft), len(emitted) - 1)
+                self.pending_commits.append(DraftCommit(rid=req.rid, accepted=len(kept)))
+                req.committed += len(kept)
+                req.draft = []
             if reason is None:
-                out.report(req, [s])
+                out.report(req, kept)
             else:
                 self.running.remove(req)
-                self.finish(req, reason, out, [s])
+                self.finish(req, reason, out, kept)
         return unfinished
 
     def defer_deltas(self, deltas: SlotDeltas) -> None:
@@ -307,7 +358,7 @@ class SchedulerCore:
 
     # ---- telemetry -------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
-        c = self.counters
+        c, spec = self.counters, self.speculator.stats
         return SchedulerStats(
             waiting=len(self.waiting),
             running=len(self.running),
@@ -326,4 +377,8 @@ class SchedulerCore:
             step_tokens_buckets=c.step_tokens.cumulative(),
             step_tokens_sum=c.step_tokens.sum,
             step_tokens_count=c.step_tokens.count,
+            spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )

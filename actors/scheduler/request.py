@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from actors.speculation.policy import DraftBackoff
 from transport.messages.engine import GenerationParams
 
 
@@ -33,6 +34,9 @@ class Req:
     prompt_lp_next: int = 1  # with prompt_logprobs: the next prompt token whose logprob is due
     session_id: str = ""  # a streaming session's turn (its KV is restored and saved)
     grammar_key: str = ""  # its constraint's compiled grammar, held by the runner by this key
+    # Speculative decoding: this step's draft tokens (their slots reserved, not committed)
+    draft: list[int] = field(default_factory=list)
+    backoff: DraftBackoff = field(default_factory=DraftBackoff)
 
     @property
     def tokens(self) -> list[int]:

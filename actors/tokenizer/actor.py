@@ -656,8 +656,13 @@ class TokenizerActor(Actor):
             if finish == FinishReason.STOP and toks and toks[-1] in self._eos_ids:
                 if not st.params.ignore_eos:
                     text_ids = toks[:-1]
+            counted = st.detok.output_count
             delta = st.detok.push(text_ids) if text_ids else None
             text = delta.text if delta else ""
+            if delta is not None and delta.finished_by_stop is not None:
+                # A speculative step's run may go past the stop: its tokens are not output.
+                n = st.detok.output_count - counted
+                toks = toks[:n]
             st.completion_tokens += n
             reason = None
             matched = None

@@ -162,6 +162,11 @@ class IncrementalDetokenizer:
         return list(self._output_ids)
 
     @property
+    def output_count(self) -> int:
+        """len(output_ids), without the copy."""
+        return len(self._output_ids)
+
+    @property
     def output_text(self) -> str:
         if self._emitted_count != len(self._emitted):
             self._emitted_text = "".join(self._emitted)

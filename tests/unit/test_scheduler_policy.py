@@ -234,7 +234,7 @@ def test_core_admits_prefills_decodes_and_finishes():
     c = core()
     c.submit([new(1, 20), new(2, 4)])
     assert c.has_work and len(c.waiting) == 2
-    budget = c.prefill_budget(num_decode=0)
+    budget = c.prefill_budget(decode_tokens=0)
     assert budget == 64 and c.wants_admission(budget)
     chunks = c.admissions(budget, kv(free=100))
     assert [(ch.req.rid, ch.budget) for ch in chunks] == [(1, 16), (2, 4)]

@@ -222,3 +222,9 @@ class SchedulerStats(Message):
     step_tokens_buckets: list[int] = []
     step_tokens_sum: int = 0
     step_tokens_count: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): steps of a request that verified
+    # drafts, draft tokens proposed, draft tokens accepted, accepted by draft position.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []

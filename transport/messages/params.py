@@ -82,6 +82,9 @@ class GenerationParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # A reasoning parser's name ("": none): the constraint applies once the reasoning ends.
     # The tokenizer wraps it knowing whether the rendered prompt opened the reasoning.
     reasoning_parser: str = ""
+    # False: this request never drafts, whatever `[speculative]` says (its output is the
+    # same either way; the switch is for measuring and for latency-sensitive callers).
+    speculate: bool = True
 
 
 class InvalidParams(ValueError):

@@ -45,12 +45,16 @@ class ForwardBatchMsg(HotMessage):
     # this many alternatives (-1: none), and the token after this chunk (-1: none).
     prompt_logprobs: list[int] = []
     next_ids: list[int] = []
+    # Speculative decoding, when any request drafts (else empty): per request, how many of
+    # its input ids are draft tokens to verify (its extend is the step's token, then them).
+    draft_lens: list[int] = []
 
 
 class StepResultMsg(HotMessage):
     step: int
     rids: list[int]  # requests that sampled a token, in batch order
-    tokens: list[int]
+    tokens: list[int]  # flat: `counts[i]` tokens of rids[i] (one each when `counts` is empty)
+    counts: list[int] = []  # speculative steps: accepted drafts + 1 per request
     logprobs: list[float] = []  # per sampled token, when any request asked
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []

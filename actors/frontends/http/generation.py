@@ -232,6 +232,7 @@ def _params(
         constraint=constraint,
         cache_salt=req.cache_salt or "",
         max_tokens_strict=max_tokens is not None,  # a default is capped at the room left
+        speculate=req.speculative is not False,
     )
 
 

@@ -202,6 +202,7 @@ class EngineCollector(Collector):
                     sum_value=s.step_tokens_sum,
                 )
                 yield steps
+            yield from _speculation(s, m)
             yield _counter(
                 f"{OWN}scheduler_retractions",
                 "Requests retracted under KV pressure",
@@ -309,6 +310,33 @@ class EngineCollector(Collector):
                 m,
                 kv.idle_check_failures,
             )
+
+
+def _speculation(s: SchedulerStats, m: str) -> Iterator[Metric]:
+    """vLLM's speculative decoding counters (zero while speculation is off)."""
+    yield _counter(
+        f"{VLLM}spec_decode_num_drafts", "Number of spec decoding drafts.", m, s.spec_drafts
+    )
+    yield _counter(
+        f"{VLLM}spec_decode_num_draft_tokens",
+        "Number of draft tokens.",
+        m,
+        s.spec_draft_tokens,
+    )
+    yield _counter(
+        f"{VLLM}spec_decode_num_accepted_tokens",
+        "Number of accepted tokens.",
+        m,
+        s.spec_accepted_tokens,
+    )
+    per_position = CounterMetricFamily(
+        f"{VLLM}spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        labels=["model_name", "position"],
+    )
+    for position, accepted in enumerate(s.spec_accepted_per_position):
+        per_position.add_metric([m, str(position)], accepted)
+    yield per_position
 
 
 def _le(bound: float) -> str:

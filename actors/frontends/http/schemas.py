@@ -133,6 +133,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     # vLLM's prefix-cache isolation: only requests with the same salt share cached KV pages
     # (non-empty when given; GenerationParams.cache_salt)
     cache_salt: str | None = None
+    # kvactor: false keeps this request out of speculative decoding (same output)
+    speculative: bool | None = None
     # vLLM: the prompt's and the output's token ids in the response
     return_token_ids: bool | None = None
     # vLLM: logprobs name tokens as "token_id:<id>" (for tokens with no clean text)

@@ -1,0 +1,159 @@
+"""When to speculate, and how far: the scheduler's per-step drafting plan.
+
+Pure Python (no torch, no actors). Two rules, both measured (docs/benchmarks.md):
+
+- Across the batch: verifying drafts costs compute, and at large batches a CPU step is
+  compute-bound already, so speculation runs only while the step's decode requests number at
+  most `max_batch`.
+- Per request: drafts that keep being rejected cost a wider forward for nothing, so a request
+  whose drafts were all rejected `miss_limit` steps in a row stops drafting for a pause that
+  doubles with each further miss (up to `max_pause` steps) and is reset by any acceptance.
+
+A request's drafts never reach past what it may still emit: k <= remaining tokens - 1 (the
+step emits at most k + 1), and the row's capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MISS_LIMIT = 2
+MAX_PAUSE = 64
+
+
+@dataclass(slots=True)
+class DraftBackoff:
+    """One request's drafting record: consecutive all-rejected steps, and the pause left."""
+
+    misses: int = 0
+    pause: int = 0  # steps left without drafting
+    next_pause: int = 1
+
+    def ready(self) -> bool:
+        """Whether the request drafts this step (a paused one counts the step down)."""
+        if self.pause > 0:
+            self.pause -= 1
+            return False
+        return True
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """After a step that verified `proposed` drafts, `accepted` of them kept."""
+        if proposed <= 0:
+            return
+        if accepted > 0:
+            self.misses, self.next_pause = 0, 1
+            return
+        self.misses += 1
+        if self.misses >= MISS_LIMIT:
+            self.pause = self.next_pause
+            self.next_pause = min(2 * self.next_pause, MAX_PAUSE)
+            self.misses = 0
+
+
+@dataclass
+class SpeculationStats:
+    """Counters in vLLM's terms (`vllm:spec_decode_*`): steps that verified drafts, draft
+    tokens proposed, draft tokens accepted, and accepted counts by draft position."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+
+def draft_budget(k: int, remaining_new: int, committed: int, row_capacity: int) -> int:
+    """The most draft tokens a request may verify this step: at most `k`, at most what it may
+    still emit minus the step's own token, and within its row (1 + k slots from
+    `committed`)."""
+    return max(0, min(k, remaining_new - 1, row_capacity - committed - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationConfig:
+    """The `[speculative]` config section, as the scheduler takes it."""
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    max_batch: int = 4
+    suffix_max_entries: int = 200_000
+
+
+class Speculator:
+    """The scheduler's drafting: who drafts this step and what (`plan`), what the verified
+    steps gave (`observe`), and the drafter's per-request state (`finished`).
+
+    Requests are the scheduler's (duck-typed: `rid`, `tokens`, `prompt_ids`, `committed`,
+    `remaining_new`, `params.speculate`, and the `draft` / `backoff` it sets)."""
+
+    def __init__(self, config: SpeculationConfig) -> None:
+        from actors.speculation.drafters import make_drafter
+
+        self.config = config
+        self.drafter = make_drafter(
+            config.method,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            config.suffix_max_entries,
+        )
+        self.stats = SpeculationStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.drafter is not None
+
+    def plan(self, reqs: list, row_capacity: int, token_budget: int) -> bool:
+        """Set each request's `draft` for this decode step (at most `token_budget` tokens
+        in all, one per request included); whether anyone drafts."""
+        for req in reqs:
+            req.draft = []
+        if self.drafter is None or len(reqs) > self.config.max_batch:
+            return False
+        spare = token_budget - len(reqs)
+        drafting = False
+        for req in reqs:
+            if spare <= 0:
+                break
+            if not getattr(req.params, "speculate", True) or not req.backoff.ready():
+                continue
+            k = min(
+                spare,
+                draft_budget(
+                    self.config.num_speculative_tokens,
+                    req.remaining_new,
+                    req.committed,
+                    row_capacity,
+                ),
+            )
+            if k <= 0:
+                continue
+            req.draft = self.drafter.propose(req.rid, req.tokens, k)
+            spare -= len(req.draft)
+            drafting = drafting or bool(req.draft)
+        return drafting
+
+    def observe(self, req, proposed: int, accepted: int) -> None:
+        """A verified step of `req`: `accepted` of its `proposed` drafts kept."""
+        req.backoff.observe(proposed, accepted)
+        self.stats.observe(proposed, accepted)
+
+    def finished(self, req, learn: bool) -> None:
+        """`req` left the engine: with `learn`, a shared drafter learns its output."""
+        if self.drafter is None:
+            return
+        if learn:
+            self.drafter.finished(req.rid, req.tokens, len(req.prompt_ids))
+        else:
+            self.drafter.forget(req.rid)
