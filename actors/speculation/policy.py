@@ -9,8 +9,9 @@ Pure Python (no torch, no actors). Two rules, both measured (docs/benchmarks.md)
   whose drafts were all rejected `miss_limit` steps in a row stops drafting for a pause that
   doubles with each further miss (up to `max_pause` steps) and is reset by any acceptance.
 
-A request's drafts never reach past what it may still emit: k <= remaining tokens - 1 (the
-step emits at most k + 1), and the row's capacity.
+A sampled request with a seed never drafts (`Speculator.may_draft`): its tokens must not
+depend on the load. A request's drafts never reach past what it may still emit: k <= its
+remaining tokens - 1 (the step emits at most k + 1), and the row's capacity.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 MISS_LIMIT = 2
 MAX_PAUSE = 64
+GREEDY_BELOW = 1e-5  # kernels.device_sampling.GREEDY_TEMPERATURE_BELOW: greedy sampling
 
 
 @dataclass(slots=True)
@@ -126,7 +128,7 @@ class Speculator:
         for req in reqs:
             if spare <= 0:
                 break
-            if not getattr(req.params, "speculate", True) or not req.backoff.ready():
+            if not self.may_draft(req.params) or not req.backoff.ready():
                 continue
             k = min(
                 spare,
@@ -143,6 +145,17 @@ class Speculator:
             spare -= len(req.draft)
             drafting = drafting or bool(req.draft)
         return drafting
+
+    @staticmethod
+    def may_draft(params) -> bool:
+        """Whether a request with these parameters ever drafts. Not when it opted out, nor
+        when it samples under a seed: whether a step drafts depends on the batch (and a
+        suffix drafter on other requests), and rejection sampling draws its uniforms
+        differently from a plain step, so a seeded request's tokens would depend on the
+        load; without drafts they depend only on its seed."""
+        if not getattr(params, "speculate", True):
+            return False
+        return params.seed is None or params.temperature < GREEDY_BELOW
 
     def observe(self, req, proposed: int, accepted: int) -> None:
         """A verified step of `req`: `accepted` of its `proposed` drafts kept."""

@@ -132,6 +132,11 @@ def test_drafts_respect_max_tokens_batch_size_and_the_opt_out():
     assert c.plan_drafts([near_end]) == [1]  # the step emits at most 1 + 1
     opted_out = running(c, 2, REPEATING, max_tokens=50, speculate=False)
     assert c.plan_drafts([opted_out]) == []
+    seeded = running(c, 4, REPEATING, max_tokens=50, temperature=0.7, seed=3)
+    assert c.plan_drafts([seeded]) == []  # its tokens must not depend on the batch
+    unseeded = running(c, 5, REPEATING, max_tokens=50, temperature=0.7)
+    greedy_seeded = running(c, 6, REPEATING, max_tokens=50, temperature=0.0, seed=3)
+    assert all(c.plan_drafts([unseeded, greedy_seeded]))
     third = running(c, 3, REPEATING, max_tokens=50)
     assert c.plan_drafts([near_end, opted_out, third]) == []  # above max_batch: nobody
     assert not near_end.draft and not third.draft
