@@ -305,7 +305,7 @@ async def run_request(
     }
     if args.ignore_eos:
         body["ignore_eos"] = True
-    if args.seed is not None and args.temperature > 0:
+    if args.seed is not None and args.temperature > 0 and not args.unseeded:
         body["seed"] = args.seed
     if req.messages is not None:
         path = "/v1/chat/completions"
@@ -567,6 +567,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="send ignore_eos (vLLM/SGLang/kvactor extension) for fixed lengths",
     )
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="sampled requests carry no seed (kvactor drafts for unseeded ones only)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--label", default="", help="name of the server in the output")
     p.add_argument("--output-json", default="")

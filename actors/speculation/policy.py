@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 MISS_LIMIT = 2
 MAX_PAUSE = 64
+LEARN_MAX_TOKENS = 4096
 GREEDY_BELOW = 1e-5  # kernels.device_sampling.GREEDY_TEMPERATURE_BELOW: greedy sampling
 
 
@@ -167,6 +168,10 @@ class Speculator:
         if self.drafter is None:
             return
         if learn:
-            self.drafter.finished(req.rid, req.tokens, len(req.prompt_ids))
+            # A shared drafter learns at most the last LEARN_MAX_TOKENS tokens (it costs a
+            # few microseconds a token, in the scheduler's step loop).
+            tokens = req.tokens
+            cut = max(len(tokens) - LEARN_MAX_TOKENS, 0)
+            self.drafter.finished(req.rid, tokens[cut:], max(len(req.prompt_ids) - cut, 0))
         else:
             self.drafter.forget(req.rid)

@@ -167,3 +167,20 @@ def test_prefill_chunks_share_the_budget_with_drafts():
     )
     assert c.prefill_budget(decode_tokens=1 + len(r.draft)) == 64 - 5
     assert PrefillWork(r, 0, 1).end == 1
+
+
+def test_a_shared_drafter_learns_the_tail_of_a_long_output_only():
+    from types import SimpleNamespace
+
+    from actors.speculation.policy import LEARN_MAX_TOKENS, Speculator
+
+    sp = Speculator(SpeculationConfig(method="suffix"))
+    early = list(range(1000, 1050))
+    output = early + [7, 8, 9] * (LEARN_MAX_TOKENS // 3 + 1)
+    done = SimpleNamespace(rid=1, prompt_ids=[1, 2, 3], tokens=[1, 2, 3, *output])
+    sp.finished(done, learn=True)
+    assert sp.drafter.propose(2, [50, 7, 8], 3) == [9, 7, 8]  # learned: the tail
+    assert sp.drafter.propose(3, [50, 1000, 1001], 3) == []  # not learned: past the cap
+    aborted = SimpleNamespace(rid=4, prompt_ids=[1], tokens=[1, 60, 61, 62, 60, 61])
+    sp.finished(aborted, learn=False)
+    assert sp.drafter.propose(5, [70, 60, 61], 2) == []
