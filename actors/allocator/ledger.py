@@ -446,7 +446,10 @@ class KvLedger:
             rec.kv_allocated_len = pos + n
             if k == 0:
                 rec.kv_committed_len = pos + 1
-            self._free_window(rec, first_query=pos)
+            # Every record keeps the window of its last committed position (the checker's
+            # bound, kv_committed_len - window on): with drafts reserved that is pos - 1
+            # until the commit.
+            self._free_window(rec, first_query=rec.kv_committed_len - 1)
         return 0
 
     def check_decode(self, rids: list[int], drafts: list[int] | None = None) -> list[ReqKvInfo]:

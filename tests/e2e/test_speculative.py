@@ -29,10 +29,13 @@ GREEDY = dict(temperature=0.0)
 
 @pytest.fixture(scope="module")
 async def engines(anyio_backend):
+    # The sliding layers' pool frees prompts too, in small steps: the window moves under
+    # every long request (debug checks on: the checker runs after every allocator message).
+    swa = dict(kv__swa_free_prompt=True, kv__swa_free_step=16)
     spec = dict(speculative__method="ngram", speculative__num_speculative_tokens=4)
     async with (
-        ServingEngine(small_config()) as plain,
-        ServingEngine(small_config(**spec)) as drafting,
+        ServingEngine(small_config(**swa)) as plain,
+        ServingEngine(small_config(**swa, **spec)) as drafting,
     ):
         yield plain, drafting
 
@@ -219,6 +222,10 @@ def test_http_streams_several_tokens_a_step_and_metrics_count_drafts(spec_server
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text and whole.usage.completion_tokens == 48
     assert len([c for c in chunks if c.choices and c.choices[0].text]) < 48  # runs arrive
+    two = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=48, temperature=0, n=2
+    )
+    assert [c.text for c in two.choices] == [whole.choices[0].text] * 2
     opted_out = client.completions.create(
         model=MODEL_NAME,
         prompt=prompt,

@@ -334,6 +334,7 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
                 event("retracted under pressure")
                 return
             rec = self._rec(rid)
+            run_sync(self.ledger.check())  # between the reservation and its commit too
             start = len(self.tokens[rid])
             candidate = np.append(
                 self.tokens[rid], [(token + 7 * i + j) % 50 for j in range(1 + k)]
