@@ -138,9 +138,11 @@ class AllocatorActor(Actor):
         # applied, so a bad item (LedgerError) leaves the whole message undone.
         ledger = self.ledger
         if isinstance(msg, AllocDecode):
+            drafts = list(msg.drafts) or None
+            ledger.check_decode(list(msg.rids), drafts, self._check_commits(msg.commits))
             await self._commit(msg.commits)
             deltas: list[SlotDelta] = []
-            short = await ledger.alloc_decode(list(msg.rids), deltas, list(msg.drafts) or None)
+            short = await ledger.alloc_decode(list(msg.rids), deltas, drafts)
             reply = AllocDecodeReply(short_pages=short, deltas=pack_deltas(deltas))
         elif isinstance(msg, AllocExtend):
             reply = await self._extend(msg)
@@ -202,27 +204,30 @@ class AllocatorActor(Actor):
                 )
         return AllocExtendReply(grants=grants, deltas=pack_deltas(deltas))
 
-    async def _commit(self, commits: list[DraftCommit]) -> None:
-        """Commit speculative steps' accepted positions (all checked before any applies)."""
-        if not commits:
-            return
+    def _check_commits(self, commits: list[DraftCommit]) -> dict[int, int]:
+        """rid -> accepted positions, every commit checked (`LedgerError` changes nothing)."""
         ledger = self.ledger
         ledger.check_held([c.rid for c in commits])
         for c in commits:
             ledger.check_commit(c.rid, c.accepted)
+        return {c.rid: c.accepted for c in commits}
+
+    async def _commit(self, commits: list[DraftCommit]) -> None:
+        """Commit speculative steps' accepted positions (checked by `_check_commits`)."""
         for c in commits:
-            await ledger.commit_draft(c.rid, c.accepted)
+            await self.ledger.commit_draft(c.rid, c.accepted)
 
     async def _release(self, msg: ReleaseBatch) -> None:
         ledger = self.ledger
-        await self._commit(msg.commits)
+        committing = self._check_commits(msg.commits)
         ledger.check_held(
             [item.rid for item in msg.items],
             [item.kind is not ReleaseKind.ABORT for item in msg.items],
         )
         for item in msg.items:
             if item.kind is not ReleaseKind.ABORT:
-                ledger.require_at_rest(item.rid)
+                ledger.require_at_rest(item.rid, committing)
+        await self._commit(msg.commits)
         for item in msg.items:
             toks = np.asarray(item.tokens, dtype=np.int64)
             if item.kind is ReleaseKind.FINISH:

@@ -55,6 +55,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -415,18 +416,26 @@ class KvLedger:
         with k > 0 drafts has 1 + k slots reserved: kv_allocated_len moves by 1 + k and
         kv_committed_len stays until `commit_draft` says how many positions were accepted.
         Returns 0 on success, else the number of pages still missing after eviction
-        (nothing changed; the scheduler drops the drafts, or retracts, and retries).
+        (nothing changed; the scheduler drops the drafts, or retracts, and retries). With
+        drafts nothing is evicted: the pages must be free already.
         """
         ps = self.page_size
         recs = self.check_decode(rids, drafts)
-        if drafts is None or not any(drafts):
+        drafting = drafts is not None and any(drafts)
+        if not drafting:
             drafts = [0] * len(recs)
         need = sum(
             self._pages_for(r.kv_allocated_len, r.kv_allocated_len + 1 + k, open_page=True)
             for r, k in zip(recs, drafts)
         )
-        short = await self._ensure_free(need)
-        if short:
+        if drafting:
+            # Draft slots are a guess: they take free pages only, never cached KV (evicted
+            # from the tree) nor an idle session's (released); short, the scheduler retries
+            # without them.
+            short = max(need - self.pool.num_free, need - self.swa.num_free if self.swa else 0)
+        else:
+            short = await self._ensure_free(need)
+        if short > 0:
             return short
         fresh = self._alloc_pages(need, deltas)
         used = 0
@@ -452,25 +461,34 @@ class KvLedger:
             self._free_window(rec, first_query=rec.kv_committed_len - 1)
         return 0
 
-    def check_decode(self, rids: list[int], drafts: list[int] | None = None) -> list[ReqKvInfo]:
-        """The held records of `rids`; raises `LedgerError` on misuse, changing nothing."""
+    def check_decode(
+        self,
+        rids: list[int],
+        drafts: list[int] | None = None,
+        committing: Mapping[int, int] | None = None,
+    ) -> list[ReqKvInfo]:
+        """The held records of `rids`; raises `LedgerError` on misuse, changing nothing.
+        `committing` (rid -> accepted positions) are commits the same message applies
+        first: those records are checked as they will be."""
         _require_unique(rids)
         if drafts is not None and len(drafts) != len(rids):
             raise LedgerError(f"{len(drafts)} draft counts for {len(rids)} requests")
+        committing = committing or {}
         recs = [self._held(rid) for rid in rids]
         for i, (rid, rec) in enumerate(zip(rids, recs)):
             k = drafts[i] if drafts is not None else 0
             if k < 0:
                 raise LedgerError(f"request {rid}: negative draft count {k}")
-            if rec.kv_committed_len < rec.kv_allocated_len:
+            length = rec.kv_allocated_len
+            if rid in committing:
+                length = rec.kv_committed_len + committing[rid]
+            elif rec.kv_committed_len < rec.kv_allocated_len:
                 raise LedgerError(
                     f"request {rid}: {rec.kv_allocated_len - rec.kv_committed_len} draft "
                     "slots not committed yet"
                 )
-            if rec.kv_allocated_len + 1 + k > self.table.row_capacity:
-                raise LedgerError(
-                    f"request {rid}: context full ({rec.kv_allocated_len} + {1 + k} slots)"
-                )
+            if length + 1 + k > self.table.row_capacity:
+                raise LedgerError(f"request {rid}: context full ({length} + {1 + k} slots)")
         return recs
 
     @_ledger_op
@@ -503,10 +521,13 @@ class KvLedger:
             )
         return rec
 
-    def require_at_rest(self, rid: int) -> None:
+    def require_at_rest(self, rid: int, committing: Mapping[int, int] | None = None) -> None:
         """A release point that keeps KV (finish, retraction, session save) needs every
-        reserved draft slot committed or rolled back first."""
+        reserved draft slot committed first (or by a commit in `committing`, which the same
+        message applies before the release)."""
         rec = self.records.get(rid)
+        if committing and rid in committing:
+            return
         if rec is not None and rec.kv_committed_len < rec.kv_allocated_len:
             raise LedgerError(
                 f"request {rid}: {rec.kv_allocated_len - rec.kv_committed_len} draft slots "

@@ -115,8 +115,8 @@ def speculative_overrides(text: str) -> dict:
         spec = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
-    if not isinstance(spec, dict):
-        raise ConfigError("--speculative-config must be a JSON object")
+    if not isinstance(spec, dict) or "method" not in spec:
+        raise ConfigError('--speculative-config must be a JSON object with a "method"')
     unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
     if unknown:
         raise ConfigError(

@@ -96,8 +96,9 @@ class SchedulerSection(_Section):
 class SpeculativeSection(_Section):
     # Speculative decoding with drafters that need no second model: "ngram" (prompt lookup
     # in the request's own tokens), "suffix" (that, and earlier requests' outputs), "none".
-    method: Literal["none", "ngram", "suffix"] = "none"
-    num_speculative_tokens: int = 4  # draft tokens verified per step, at most
+    method: Literal["none", "ngram", "suffix"] = "ngram"
+    num_speculative_tokens: int = 4  # draft tokens a request verifies per step at first
+    max_speculative_tokens: int = 16  # doubled up to this while every draft is accepted
     prompt_lookup_min: int = 2  # the shortest tail n-gram a draft is looked up by
     prompt_lookup_max: int = 4  # the longest (tried first)
     # Decode requests in a step above which nobody drafts (the step is compute-bound)
@@ -239,6 +240,10 @@ class EngineConfig(_Section):
             (
                 1 <= self.speculative.prompt_lookup_min <= self.speculative.prompt_lookup_max,
                 "speculative: 1 <= prompt_lookup_min <= prompt_lookup_max must hold",
+            ),
+            (
+                self.speculative.max_speculative_tokens >= self.speculative.num_speculative_tokens,
+                "speculative.max_speculative_tokens must be >= num_speculative_tokens",
             ),
             (self.speculative.max_batch >= 1, "speculative.max_batch must be >= 1"),
             (

@@ -4,8 +4,10 @@ Each step (continuous batching under a token budget):
   1. apply pending ends (aborts, stop strings) at this safe point; their KV goes back
      before anything of this step is allocated (releases are sent ahead of every
      allocating call, so no "cannot fit" rule fires on pages that are being freed);
-  2. decode: every running request gets one slot (`AllocDecode`, all or nothing); on a
-     shortfall, retract a victim (its computed prefix goes to the tree) and retry;
+  2. decode: every running request gets one slot, and a drafting one slots for its draft
+     tokens (`AllocDecode`, all or nothing, carrying the last step's draft commits); on a
+     shortfall the drafts go first, then a victim is retracted (its computed prefix goes
+     to the tree) and the call retried;
   3. prefill: continuing chunks first, then admissions (`KvStatsRequest`, and `PeekPrefix`
      for longest-prefix-match) under the remaining budget, in one `AllocExtend`;
   4. one `ForwardBatchMsg` to the runner, carrying every slot delta the allocator returned;

@@ -6,8 +6,11 @@ Pure Python (no torch, no actors). Two rules, both measured (docs/benchmarks.md)
   compute-bound already, so speculation runs only while the step's decode requests number at
   most `max_batch`.
 - Per request: drafts that keep being rejected cost a wider forward for nothing, so a request
-  whose drafts were all rejected `miss_limit` steps in a row stops drafting for a pause that
-  doubles with each further miss (up to `max_pause` steps) and is reset by any acceptance.
+  whose drafts were all rejected `MISS_LIMIT` steps in a row stops drafting for a pause that
+  doubles with each further miss (up to `MAX_PAUSE` steps) and is reset by any acceptance.
+- How far: a request drafts `num_speculative_tokens` at first; a step that accepts all of
+  them doubles its width (up to `max_speculative_tokens`: long copies verify many tokens a
+  step, for little more than one token's forward), and any rejection brings it back.
 
 A sampled request with a seed never drafts (`Speculator.may_draft`): its tokens must not
 depend on the load. A request's drafts never reach past what it may still emit: k <= its
@@ -31,6 +34,7 @@ class DraftBackoff:
     misses: int = 0
     pause: int = 0  # steps left without drafting
     next_pause: int = 1
+    width: int = 0  # draft tokens it may propose next (0: the config's start)
 
     def ready(self) -> bool:
         """Whether the request drafts this step (a paused one counts the step down)."""
@@ -88,6 +92,7 @@ class SpeculationConfig:
 
     method: str = "none"
     num_speculative_tokens: int = 4
+    max_speculative_tokens: int = 16
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     max_batch: int = 4
@@ -102,7 +107,7 @@ class Speculator:
     `remaining_new`, `params.speculate`, and the `draft` / `backoff` it sets)."""
 
     def __init__(self, config: SpeculationConfig) -> None:
-        from actors.speculation.drafters import make_drafter
+        from actors.speculation.drafters import PromptLookupDrafter, make_drafter
 
         self.config = config
         self.drafter = make_drafter(
@@ -111,7 +116,17 @@ class Speculator:
             config.prompt_lookup_max,
             config.suffix_max_entries,
         )
+        # A request with a cache_salt never drafts from, nor teaches, what other requests
+        # wrote (a shared drafter would leak it across the salt's boundary): its own tokens
+        # only.
+        self.private = (
+            PromptLookupDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.method == "suffix"
+            else self.drafter
+        )
         self.stats = SpeculationStats()
+        if self.drafter is not None:  # every position exported from the start, as vLLM
+            self.stats.accepted_per_position = [0] * config.max_speculative_tokens
 
     @property
     def enabled(self) -> bool:
@@ -134,7 +149,7 @@ class Speculator:
             k = min(
                 spare,
                 draft_budget(
-                    self.config.num_speculative_tokens,
+                    req.backoff.width or self.config.num_speculative_tokens,
                     req.remaining_new,
                     req.committed,
                     row_capacity,
@@ -142,7 +157,8 @@ class Speculator:
             )
             if k <= 0:
                 continue
-            req.draft = self.drafter.propose(req.rid, req.tokens, k)
+            drafter = self.private if req.params.cache_salt else self.drafter
+            req.draft = drafter.propose(req.rid, req.tokens, k)
             spare -= len(req.draft)
             drafting = drafting or bool(req.draft)
         return drafting
@@ -160,14 +176,23 @@ class Speculator:
 
     def observe(self, req, proposed: int, accepted: int) -> None:
         """A verified step of `req`: `accepted` of its `proposed` drafts kept."""
-        req.backoff.observe(proposed, accepted)
+        state, start = req.backoff, self.config.num_speculative_tokens
+        width = state.width or start
+        if accepted < proposed:
+            state.width = start
+        elif proposed >= width:
+            state.width = min(2 * width, max(self.config.max_speculative_tokens, start))
+        state.observe(proposed, accepted)
         self.stats.observe(proposed, accepted)
 
     def finished(self, req, learn: bool) -> None:
-        """`req` left the engine: with `learn`, a shared drafter learns its output."""
+        """`req` left the engine: with `learn`, a shared drafter learns its output (not a
+        salted request's, nor one that opted out of speculation)."""
         if self.drafter is None:
             return
-        if learn:
+        self.private.forget(req.rid)
+        p = req.params
+        if learn and not p.cache_salt and getattr(p, "speculate", True):
             # A shared drafter learns at most the last LEARN_MAX_TOKENS tokens (it costs a
             # few microseconds a token, in the scheduler's step loop).
             tokens = req.tokens

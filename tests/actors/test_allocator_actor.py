@@ -21,6 +21,7 @@ from transport.messages.alloc import (
     AllocExtendReply,
     CacheUnfinished,
     CacheUnfinishedReply,
+    DraftCommit,
     ExtendItem,
     KvStats,
     KvStatsRequest,
@@ -197,6 +198,55 @@ def test_batched_messages_are_all_or_nothing():
             still = await alloc.call(KvStatsRequest(check_invariants=True), expect=KvStats)
             assert still.records == 1 and still.free_pages == held.free_pages
             await alloc.call(ReleaseBatch(items=[ReleaseItem(rid=1, kind=ReleaseKind.ABORT)]))
+
+    anyio.run(main)
+
+
+def test_draft_commits_ride_with_their_message_and_are_undone_with_it():
+    """Speculative commits are applied first, but checked with the rest: a bad item leaves
+    the commit undone too; a finish in the same batch as its commit is at rest."""
+
+    async def main():
+        from actors.runtime import RemoteError
+
+        async with ActorSystem(kv_specs(), transport="inproc") as engine:
+            alloc = engine.ref("allocator")
+            tokens = list(range(10, 30))
+            reply = await alloc.call(
+                AllocExtend(items=[ExtendItem(rid=1, tokens=tokens, budget=32)]),
+                expect=AllocExtendReply,
+            )
+            assert reply.grants[0].end == 20
+            reserved = await alloc.call(AllocDecode(rids=[1], drafts=[5]), expect=AllocDecodeReply)
+            assert reserved.short_pages == 0 and sum(reserved.deltas.lengths) == 6
+            before = await alloc.call(KvStatsRequest(), expect=KvStats)
+            commit = [DraftCommit(rid=1, accepted=2)]
+            with pytest.raises(RemoteError, match="twice"):
+                await alloc.call(AllocDecode(rids=[1, 1], commits=commit))
+            with pytest.raises(RemoteError, match="context full"):
+                await alloc.call(AllocDecode(rids=[1], drafts=[200], commits=commit))
+            with pytest.raises(RemoteError, match="holds no KV"):
+                await alloc.call(
+                    ReleaseBatch(
+                        items=[ReleaseItem(rid=99, kind=ReleaseKind.FINISH)], commits=commit
+                    )
+                )
+            with pytest.raises(RemoteError, match="not committed"):
+                await alloc.call(
+                    ReleaseBatch(items=[ReleaseItem(rid=1, kind=ReleaseKind.FINISH, tokens=tokens)])
+                )
+            after = await alloc.call(KvStatsRequest(check_invariants=True), expect=KvStats)
+            assert after.free_pages == before.free_pages  # every refusal left the commit out
+            # The commit and the finish in one batch: the record is at rest when released.
+            done = [*tokens, 40, 41]
+            await alloc.call(
+                ReleaseBatch(
+                    items=[ReleaseItem(rid=1, kind=ReleaseKind.FINISH, tokens=done)],
+                    commits=commit,
+                )
+            )
+            idle = await alloc.call(KvStatsRequest(check_invariants=True), expect=KvStats)
+            assert idle.records == 0 and idle.free_pages + idle.tree_pages == idle.total_pages
 
     anyio.run(main)
 

@@ -1,6 +1,7 @@
 """Speculative decoding on the real model: the same greedy output with it on and off.
 
-Two engines side by side (fp32, exact weights): one with n-gram drafting, one without.
+Two engines side by side (fp32, exact weights): one with n-gram drafting (the default),
+one without.
 Every scenario runs on both and compares token ids (and logprobs); the drafting engine must
 also have drafted and accepted, or the comparison proves nothing. Then the HTTP server with
 vLLM's `--speculative-config`, through the official `openai` client: streams carry several
@@ -34,7 +35,7 @@ async def engines(anyio_backend):
     swa = dict(kv__swa_free_prompt=True, kv__swa_free_step=16)
     spec = dict(speculative__method="ngram", speculative__num_speculative_tokens=4)
     async with (
-        ServingEngine(small_config(**swa)) as plain,
+        ServingEngine(small_config(**swa, speculative__method="none")) as plain,
         ServingEngine(small_config(**swa, **spec)) as drafting,
     ):
         yield plain, drafting

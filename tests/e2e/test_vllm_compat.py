@@ -269,14 +269,15 @@ def test_streamed_chat_chunks_carry_exactly_their_tokens_text(client):
         logprobs=True,
         stream=True,
     )
-    pieces = []
+    pieces, count = [], 0
     for chunk in stream:
         if not chunk.choices or chunk.choices[0].logprobs is None:
             continue
         choice = chunk.choices[0]
         tokens = "".join(lp.token for lp in choice.logprobs.content)
+        count += len(choice.logprobs.content)
         pieces.append((choice.delta.content or "", tokens))
-    assert len(pieces) >= 20
+    assert count >= 20  # (a chunk carries several tokens where speculation accepted a run)
     assert all(text == tokens for text, tokens in pieces), pieces
 
 

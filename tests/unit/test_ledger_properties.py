@@ -473,3 +473,22 @@ def test_decode_is_all_or_nothing_and_reports_shortfall():
     with pytest.raises(LedgerError, match="twice"):
         run_sync(ledger.alloc_decode([1, 1], []))
     run_sync(ledger.check())
+
+
+def test_draft_slots_take_free_pages_only_never_cached_kv():
+    """A speculative reservation is a guess: it neither evicts the prefix tree nor takes an
+    idle session's pages; short of free pages it is refused and plain decode evicts."""
+    ledger, tree = make_ledger(6, 4, 4, capacity=64)
+    cached = np.arange(100, 116)
+    run_sync(ledger.alloc_extend(1, cached, 64, []))
+    run_sync(ledger.finish(1, cached))  # 4 pages cached, evictable
+    ledger.forget(1)
+    mine = np.arange(200, 208)
+    run_sync(ledger.alloc_extend(2, mine, 64, []))  # the last 2 pages
+    assert ledger.pool.num_free == 0 and tree.evictable_size == 16
+    short = run_sync(ledger.alloc_decode([2], [], [3]))
+    assert short == 1 and tree.evictable_size == 16  # refused, nothing evicted
+    assert ledger.records[2].kv_allocated_len == 8
+    assert run_sync(ledger.alloc_decode([2], [])) == 0  # plain decode may evict
+    assert tree.evictable_size < 16
+    run_sync(ledger.check())

@@ -67,8 +67,8 @@ def core(**spec) -> SchedulerCore:
     )
 
 
-def running(c: SchedulerCore, rid: int, prompt: list[int], **params):
-    """Submit `rid`, prefill its whole prompt and fold in its first token (5)."""
+def running(c: SchedulerCore, rid: int, prompt: list[int], first: int = 5, **params):
+    """Submit `rid`, prefill its whole prompt and fold in its first token."""
     c.submit(
         [NewRequest(rid=rid, prompt_ids=prompt, params=GenerationParams(**params), eos_ids=[2])]
     )
@@ -78,8 +78,8 @@ def running(c: SchedulerCore, rid: int, prompt: list[int], **params):
         [ExtendGrantItem(rid=rid, row=rid, cached_len=0, start=0, end=len(prompt))],
         SlotDeltas(),
     )
-    c.apply_results([], [work], StepResultMsg(step=1, rids=[rid], tokens=[5]), StepOutbox())
-    assert c.reqs[rid].output_ids == [5]
+    c.apply_results([], [work], StepResultMsg(step=1, rids=[rid], tokens=[first]), StepOutbox())
+    assert c.reqs[rid].output_ids == [first]
     return c.reqs[rid]
 
 
@@ -177,10 +177,43 @@ def test_a_shared_drafter_learns_the_tail_of_a_long_output_only():
     sp = Speculator(SpeculationConfig(method="suffix"))
     early = list(range(1000, 1050))
     output = early + [7, 8, 9] * (LEARN_MAX_TOKENS // 3 + 1)
-    done = SimpleNamespace(rid=1, prompt_ids=[1, 2, 3], tokens=[1, 2, 3, *output])
+    shared = SimpleNamespace(cache_salt="", speculate=True)
+    done = SimpleNamespace(rid=1, prompt_ids=[1, 2, 3], tokens=[1, 2, 3, *output], params=shared)
     sp.finished(done, learn=True)
     assert sp.drafter.propose(2, [50, 7, 8], 3) == [9, 7, 8]  # learned: the tail
     assert sp.drafter.propose(3, [50, 1000, 1001], 3) == []  # not learned: past the cap
-    aborted = SimpleNamespace(rid=4, prompt_ids=[1], tokens=[1, 60, 61, 62, 60, 61])
+    aborted = SimpleNamespace(rid=4, prompt_ids=[1], tokens=[1, 60, 61, 62, 60, 61], params=shared)
     sp.finished(aborted, learn=False)
     assert sp.drafter.propose(5, [70, 60, 61], 2) == []
+
+
+def test_salted_requests_neither_teach_nor_draft_from_other_requests():
+    from types import SimpleNamespace
+
+    c = core(method="suffix")
+    salted = SimpleNamespace(cache_salt="tenant-a", speculate=True)
+    secret = SimpleNamespace(rid=1, prompt_ids=[1], tokens=[1, 80, 81, 82, 83], params=salted)
+    c.speculator.finished(secret, learn=True)
+    assert c.speculator.drafter.propose(2, [9, 80, 81], 2) == []  # not learned
+    public = SimpleNamespace(cache_salt="", speculate=True)
+    c.speculator.finished(
+        SimpleNamespace(rid=3, prompt_ids=[1], tokens=[1, 90, 91, 92, 93], params=public),
+        learn=True,
+    )
+    plain = running(c, 4, [7, 90, 91], first=92, max_tokens=50)  # drafts from request 3
+    assert c.plan_drafts([plain]) and plain.draft[0] == 93
+    other = running(c, 5, [7, 90, 91], first=92, max_tokens=50, cache_salt="tenant-b")
+    assert c.plan_drafts([other]) == []  # its own tokens only: nothing recurs
+
+
+def test_the_draft_width_doubles_while_every_draft_is_accepted_and_resets_on_a_rejection():
+    c = core(num_speculative_tokens=2, max_speculative_tokens=8)
+    document = list(range(100, 140))
+    r = running(c, 1, [*document, *document[:4]], first=104, max_tokens=200)  # a copy
+    widths = []
+    for accepted_all in (True, True, True, True, False, True):
+        c.plan_drafts([r])
+        widths.append(len(r.draft))
+        c.speculator.observe(r, len(r.draft), len(r.draft) if accepted_all else 0)
+        r.draft = []
+    assert widths == [2, 4, 8, 8, 8, 2]
