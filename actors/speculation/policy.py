@@ -1,6 +1,6 @@
 """When to speculate, and how far: the scheduler's per-step drafting plan.
 
-Pure Python (no torch, no actors). Two rules, both measured (docs/benchmarks.md):
+Pure Python (no torch, no actors). Two rules (measurements: docs/benchmarks.md):
 
 - Across the batch: verifying drafts costs compute, and at large batches a CPU step is
   compute-bound already, so speculation runs only while the step's decode requests number at
