@@ -35,6 +35,19 @@ async def assert_balanced(eng: ServingEngine) -> None:
     assert stats.evictable_pages == stats.tree_pages, f"tree locks leaked: {stats}"
 
 
+async def settle(eng: ServingEngine, tries: int = 100) -> None:
+    """Let in-flight requests and aborts land (up to `tries` x 50 ms), then the pools must
+    balance (`assert_balanced`)."""
+    import anyio
+
+    for _ in range(tries):
+        s = await eng.scheduler_stats()
+        if s.waiting == s.running == s.prefilling == 0:
+            break
+        await anyio.sleep(0.05)
+    await assert_balanced(eng)
+
+
 def random_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     ids = tokenizer.encode(natural_text(), add_special_tokens=False)

@@ -16,7 +16,12 @@ import torch
 
 from actors.app.serving import ServingEngine
 from actors.frontends.base import GenerationError
-from tests.e2e.engine_fixtures import assert_balanced, natural_text, random_prompts, small_config
+from tests.e2e.engine_fixtures import (
+    natural_text,
+    random_prompts,
+    settle,
+    small_config,
+)
 from transport.messages.engine import GenerationParams
 
 pytestmark = [pytest.mark.anyio, pytest.mark.model]
@@ -35,13 +40,7 @@ async def balanced_after(request, anyio_backend):
     yield
     eng = request.node.funcargs.get("engine") or request.node.funcargs.get("tiny_engine")
     if eng is not None:
-        # Let in-flight aborts land, then the pools must balance.
-        for _ in range(100):
-            s = await eng.scheduler_stats()
-            if s.waiting == s.running == s.prefilling == 0:
-                break
-            await anyio.sleep(0.05)
-        await assert_balanced(eng)
+        await settle(eng)  # in-flight aborts land, then the pools must balance
 
 
 def hf_greedy(hf_model, ids: list[int], n: int, eos: list[int]) -> list[int]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 
-import anyio
 import openai
 import pytest
 
 from actors.app.serving import ServingEngine
-from tests.e2e.engine_fixtures import assert_balanced, natural_text, small_config
+from tests.e2e.engine_fixtures import natural_text, small_config
+from tests.e2e.engine_fixtures import settle as settle_one
 from tests.e2e.server_fixtures import MODEL_NAME, scrape_metrics, start_server, stop_server
 from tests.e2e.test_engine_e2e import hf_greedy
 from transport.messages.engine import ChatMessage, GenerationParams
@@ -43,12 +43,7 @@ async def engines(anyio_backend):
 
 async def settle(*engines) -> None:
     for eng in engines:
-        for _ in range(200):
-            s = await eng.scheduler_stats()
-            if s.waiting == s.running == s.prefilling == 0:
-                break
-            await anyio.sleep(0.05)
-        await assert_balanced(eng)
+        await settle_one(eng, tries=200)
 
 
 def copy_prompt(tokenizer, start: int, length: int, cue: int = 24) -> list[int]:
