@@ -4,8 +4,9 @@ Every function here takes the scheduler's requests and snapshots (a `KvStats` fr
 allocator, prefix lengths from the radix cache) and returns a decision; `SchedulerCore`
 applies them and the actor turns them into messages. The rules, as SGLang's:
 
-* Decode first: every running request gets one slot per step (the allocator grants all or
-  none). On a shortfall a victim is retracted (`pick_victim`): the one whose loss costs
+* Decode first: every running request gets one slot per step, plus its draft tokens' when
+  it speculates (the allocator grants all or none). On a shortfall the drafts go first,
+  then a victim is retracted (`pick_victim`): the one whose loss costs
   least (fewest output tokens, then the longest prompt), its computed prefix kept in the
   prefix tree for re-admission. A request alone that still cannot grow is cut at `length`.
 * Prefill under a token budget (`max_batch_tokens` minus the step's decode tokens):
