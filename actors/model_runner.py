@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from actors.runtime import Actor
+from kernels.compiled_step import COMPILE_MODES, CompiledStep, compile_choice
+from kernels.compiled_step import cache_root as compile_cache_root
 from kernels.cuda_graphs import GRAPH_BACKENDS, graph_max_pages
 from kernels.grammar import ByteLRU
 from kernels.host_memory import keep_freed_memory
@@ -59,8 +61,9 @@ class ModelRunnerActor(Actor):
         cuda_graphs: bool = True,
         linear: str = "auto",
         grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES,
+        compile: str = "off",
     ) -> None:
-        from kernels.cpu import choose_dtype, choose_threads
+        from kernels.cpu import choose_dtype, choose_threads, one_thread_here
         from kernels.device import choose_attention, choose_device
         from kernels.linear import choose_linear_backend
         from kernels.models import PLAN_KINDS
@@ -88,6 +91,9 @@ class ModelRunnerActor(Actor):
         if quantizes and self.device != "cpu":
             raise ValueError(f"quantization = {quantization} is a CPU path; use none on CUDA")
         self.threads, self.threads_reason = choose_threads(threads, own_process)
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+        self.requested_compile = compile  # settled with the weights' layout (`_load`)
         self.num_pages = num_pages
         self.swa_num_pages = swa_num_pages  # sliding layers' own pool (0: they share the full one)
         self.page_size = page_size
@@ -108,6 +114,9 @@ class ModelRunnerActor(Actor):
         self.steps = 0
         self.forward_s = 0.0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner-torch")
+        # The compute threads are the worker's alone (it sets its count in `_load`); the
+        # thread building this actor, the event loop's, computes with one.
+        one_thread_here()
 
     async def _on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
@@ -186,6 +195,11 @@ class ModelRunnerActor(Actor):
             linear=self.linear,
         )
         self.linear, self.linear_reason = self.executor.linear, self.executor.linear_reason
+        compiles, why = compile_choice(self.requested_compile, self.device, self.dtype, self.linear)
+        self.log.info("compile", compile=compiles, reason=why, cache=str(compile_cache_root()))
+        if compiles:
+            self.executor.compiled = CompiledStep(self.executor)
+            threading.Thread(target=self._compile, name="compile-step", daemon=True).start()
         self.log.info(
             "weights",
             linear=self.linear,
@@ -201,6 +215,19 @@ class ModelRunnerActor(Actor):
             # the background, rather than in the first constrained request's step.
             if grammar_available():
                 threading.Thread(target=self._grammar_engine, daemon=True).start()
+
+    def _compile(self) -> None:
+        """Background: compile the small-step graph; steps switch to it once ready."""
+        compiled = self.executor.compiled
+        compiled.compile()
+        if compiled.ready:
+            self.log.info(
+                "compiled steps ready",
+                compile_s=round(compiled.compile_s, 1),
+                max_tokens=compiled.max_tokens,
+            )
+        else:
+            self.log.warning("compile failed; steps stay eager", error=compiled.failed)
 
     def _grammar_engine(self):
         with self._grammars_lock:
@@ -333,7 +360,14 @@ class ModelRunnerActor(Actor):
         )
 
     def stats(self) -> dict[str, int | float]:
-        return {"runner_steps": self.steps, "runner_forward_s": round(self.forward_s, 3)}
+        compiled = self.executor.compiled if self.executor is not None else None
+        return {
+            "runner_steps": self.steps,
+            "runner_forward_s": round(self.forward_s, 3),
+            "runner_compiled_ready": int(compiled is not None and compiled.ready),
+            "runner_compiled_steps": 0 if compiled is None else compiled.steps,
+            "runner_compile_fallbacks": 0 if compiled is None else compiled.fallbacks,
+        }
 
 
 def _row(out, k: int):

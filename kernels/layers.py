@@ -41,6 +41,8 @@ class GemmaRMSNorm(nn.Module):
         self._scale_of: Tensor | None = None
 
     def scale(self) -> Tensor:
+        if torch.compiler.is_compiling():  # a graph folds it in; no cached state to guard
+            return 1.0 + self.weight.float()
         if self._scale_of is not self.weight:
             self._scale = 1.0 + self.weight.float()
             self._scale_of = self.weight

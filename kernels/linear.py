@@ -43,6 +43,8 @@ from functools import cache
 import torch
 from torch import Tensor, nn
 
+from kernels import graph_ops
+
 # fused module name -> its parts, in the order their outputs are stacked
 STACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -93,6 +95,7 @@ class OneDnnLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self.weight_bytes = weight.numel() * weight.element_size()
+        self.handle = graph_ops.register(self)
 
     @property
     def weight(self) -> Tensor:
@@ -106,9 +109,11 @@ class OneDnnLinear(nn.Module):
             plain.bias = nn.Parameter(self.bias.clone(), requires_grad=False)
         return OneDnnLinear(plain)
 
+    def product(self, rows: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        out = graph_ops.product(self, x.reshape(-1, self.in_features))
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -128,6 +133,7 @@ class Fp16Linear(nn.Module):
         # An opaque fbgemm object: kept as a plain attribute, as OneDnnLinear's.
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.contiguous(), self.bias)
         self.weight_bytes = weight.numel() * 2
+        self.handle = graph_ops.register(self)
 
     @property
     def weight(self) -> Tensor:
@@ -141,9 +147,11 @@ class Fp16Linear(nn.Module):
             plain.bias = nn.Parameter(self.bias.clone(), requires_grad=False)
         return Fp16Linear(plain)
 
+    def product(self, rows: Tensor) -> Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(rows, self.packed)
+
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.quantized.linear_dynamic_fp16(rows, self.packed)
+        out = graph_ops.product(self, x.reshape(-1, self.in_features))
         return out.view(*x.shape[:-1], self.out_features)
 
 

@@ -39,6 +39,7 @@ class ModelExecutor:
         validate: bool = True,
         cuda_graphs: bool = False,
         linear: str = "aten",
+        compile_steps: bool = False,
     ) -> None:
         from kernels.linear import choose_linear_backend, pack_linears
         from kernels.lm_head import fp16_plan
@@ -79,12 +80,23 @@ class ModelExecutor:
             from kernels.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)
+        # Small steps through one compiled graph once `compiled.ready` (kernels/compiled_step)
+        self.compiled = None
+        if compile_steps:
+            from kernels.compiled_step import CompiledStep
+
+            self.compiled = CompiledStep(self)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> Tensor:
         """float32 logits [num requests with need_logits, vocab], in batch order."""
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch, self._build(batch))
+        if self._compiles(batch):
+            rows = self._logit_rows(batch)
+            logits = self._compiled_logits(batch, rows)
+            if logits is not None:
+                return logits
         hidden = self.forward_hidden(batch)
         if hidden.shape[0] == 0:
             return torch.empty((0, self.config.vocab), dtype=torch.float32, device=self.device)
@@ -102,9 +114,15 @@ class ModelExecutor:
         rows = sorted(set(last).union(*spans))
         where = {row: k for k, row in enumerate(rows)}
         picked_at = np.asarray([where[r] for r in last], dtype=np.int64)
-        meta = self._prepare(batch, np.asarray(rows, dtype=np.int64), picked_at)
-        _, rows_t, picked_t = meta.extra
-        logits = self.lm_head(self._body(meta, rows_t))
+        logits = None
+        if self._compiles(batch):
+            logits = self._compiled_logits(batch, np.asarray(rows, dtype=np.int64))
+        if logits is not None:
+            picked_t = torch.from_numpy(picked_at).to(self.device)
+        else:
+            meta = self._prepare(batch, np.asarray(rows, dtype=np.int64), picked_at)
+            _, rows_t, picked_t = meta.extra
+            logits = self.lm_head(self._body(meta, rows_t))
         # a span's rows are consecutive in `rows` (sorted, and the span is a whole range)
         per_request = [logits[where[s.start] : where[s.start] + len(s)] for s in spans]
         return logits[picked_t], per_request
@@ -115,6 +133,21 @@ class ModelExecutor:
         rows = self._logit_rows(batch)
         meta = self._prepare(batch, *(() if rows is None else (rows,)))
         return self._body(meta, None if rows is None else meta.extra[1])
+
+    def _compiles(self, batch: ForwardBatch) -> bool:
+        return self.compiled is not None and self.compiled.fits(batch.num_tokens)
+
+    def _compiled_logits(self, batch: ForwardBatch, rows: np.ndarray | None) -> Tensor | None:
+        """Logits of `rows` (flat token indices; None: every token) through the compiled
+        body; None where the graph would recompile (the step is then run eagerly: the slot
+        deltas are applied again, which is idempotent)."""
+        meta = self._build(batch) if rows is None else self._build(batch, rows)
+        hidden = self.compiled.run(self.compiled.inputs(meta, meta.extra[0]))
+        if hidden is None:
+            return None
+        if rows is not None:
+            hidden = hidden.index_select(0, meta.extra[1])
+        return self.lm_head(hidden)
 
     def _build(self, batch: ForwardBatch, *extra: np.ndarray) -> AttentionMetadata:
         """Apply the batch's slot deltas and build its attention metadata; `meta.extra` is

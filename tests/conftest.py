@@ -22,6 +22,11 @@ if _workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 
+# Servers the tests start serve eagerly: a background compile per server would take the
+# cores from the suite (tests/e2e/test_compiled_step.py turns it on where it is tested).
+os.environ.setdefault("KVACTOR_MODEL_COMPILE", "off")
+
+
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"

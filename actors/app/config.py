@@ -49,6 +49,10 @@ class ModelSection(_Section):
     # fp16 = fp16 weights, fp32 activations and accumulation (fp32 models on x86 CPUs)
     linear: Literal["auto", "aten", "onednn", "fp16"] = "auto"
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
+    # small steps (decode, draft verification, short extends) as one torch.compile graph
+    # (kernels/compiled_step.py), compiled in the background while serving eagerly: auto =
+    # on the CPU except the exact path (float32 with aten linears); on; off
+    compile: Literal["auto", "on", "off"] = "auto"
     # weight-only (kernels/quant.py): gguf = a GGUF's weights kept as stored, int4 where in
     # 4-bit blocks (Q4_0/Q4_1/Q4_K), int8 elsewhere; auto = gguf for a quantized GGUF you
     # give, exact for the embedded model and HF folders (kernels.models.resolve_quantization);

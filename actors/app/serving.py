@@ -69,6 +69,11 @@ class ServingEngine:
             SchedulerStatsRequest(), expect=SchedulerStats
         )
 
+    async def actor_stats(self, name: str) -> dict:
+        """An actor's counters (its mailbox's and the actor's own `stats()`)."""
+        reply = await self.system.ref(name).call(StatsRequest(), expect=StatsReply)
+        return dict(reply.values)
+
     @property
     def frontend_names(self) -> list[str]:
         """The actors clients reach the engine through (each a `FrontendActor`)."""

@@ -220,6 +220,7 @@ def runner_has_own_process(cfg: EngineConfig) -> bool:
 
 
 def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
+    _control_plane_thread()
     kv, sch, mdl = cfg.kv, cfg.scheduler, cfg.model
     group = cfg.engine.groups.get
     model_path = mdl.path or None
@@ -242,6 +243,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 cuda_graphs=mdl.cuda_graphs,
                 attention=mdl.attention,
                 linear=mdl.linear,
+                compile=mdl.compile,
                 threads=mdl.threads,
                 own_process=runner_has_own_process(cfg),
                 quantization=mdl.quantization,
@@ -331,8 +333,16 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
     return specs
 
 
+def _control_plane_thread() -> None:
+    """This thread runs actors, not the model: one torch thread (kernels.cpu.one_thread_here)."""
+    from kernels.cpu import one_thread_here
+
+    one_thread_here()
+
+
 def serving_specs(cfg: EngineConfig, zmq_address: str | None = None) -> list[ActorSpec]:
     """The client-facing actors of `bin/engine serve`: the HTTP gateway (+ ZeroMQ endpoint)."""
+    _control_plane_thread()
     srv = cfg.server
     plan = memory_plan(cfg)
     specs = [

@@ -21,6 +21,7 @@ def small_config(**overrides) -> EngineConfig:
         model__dtype="float32",  # HF parity is checked in fp32, on the exact weights
         model__linear="aten",  # (auto stores an fp32 model's weights in fp16)
         model__threads=1,
+        model__compile="off",  # compiled steps have tests of their own (test_compiled_step)
     )
     base.update(overrides)
     return EngineConfig.load(**base)

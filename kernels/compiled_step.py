@@ -1,0 +1,287 @@
+"""Small forward steps as one compiled graph (CPU): no Python between a step's ops.
+
+At small batch a CPU decode step is about a thousand small torch ops (norms, rotary,
+activations, the paged K/V gather, attention) between the weight products, and the Python
+and dispatch between them cost as much as the products themselves. `CompiledStep` traces
+the model body once with `torch.compile` (Inductor's C++ code on the CPU), which fuses the
+small ops into a few loops and calls the products' own kernels (packed CPU linears through
+`kernels.graph_ops`).
+
+The graph is token-major: row t of a step is one new token, with its own key lanes (the
+slots of its request's positions up to its own; on sliding layers only those its window
+reaches) and a mask. So one graph serves decode rows, draft-verification rows and short
+prefill chunks alike, and the K/V gather and the sliding-window map (`KVCache.sliding_slots`)
+are inside it. The row count T and the lane counts L (full) and Ls (sliding) are symbolic:
+two compiles serve every batch and context. Invariants the callers rely on:
+
+- Two graphs: one row (T = 1: a padding row would cost more than a graph, the products
+  being slower at two rows than at one) and T >= 2 rows. L, Ls >= 2: a size of 1 would be
+  a specialization of its own, i.e. a recompile in the serving thread.
+- A padding lane indexes slot 0 (the pool's reserved padding slot) and is masked out.
+- Serving never compiles: after `compile()` the stance is "fail on recompile", and a step
+  whose shapes would need one runs eagerly instead (logged once).
+
+Compiled code is cached on disk (Inductor's FX graph cache) under `cache_root()`: one folder
+per torch version and CPU (capability and flags), so a restart traces the graph again but
+does not recompile it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kernels.attention.base import AttentionMetadata
+from kernels.attention.torch_ref import _attend
+from kernels.forward_context import ForwardContext
+from kernels.graph_ops import write_kv
+
+COMPILE_MODES = ("auto", "on", "off")
+# Steps of more new tokens than this run eagerly: the fixed costs a graph removes shrink
+# against the products as rows grow (`bin/engine bench model --compile` measures it).
+DEFAULT_MAX_TOKENS = 32
+_INSTANCES = itertools.count(1)
+
+
+def compile_choice(
+    requested: str, device: str, dtype: torch.dtype, linear: str
+) -> tuple[bool, str]:
+    """Whether the runner compiles its small steps, and why. `auto`: on the CPU, except on
+    the exact path (float32 with aten linears), whose logits must stay those of eager mode
+    (a compiled graph sums in another order: differences of ~1e-5)."""
+    if requested not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {requested!r}")
+    if requested == "off":
+        return False, "set in the config"
+    if device != "cpu":
+        if requested == "on":
+            raise ValueError("model.compile = on is a CPU path (CUDA steps replay CUDA graphs)")
+        return False, f"auto: {device} replays CUDA graphs instead"
+    if requested == "on":
+        return True, "set in the config"
+    if dtype == torch.float32 and linear == "aten":
+        return False, "auto: the exact path (float32, aten linears) stays eager"
+    return True, "auto: CPU, not the exact path"
+
+
+def cache_root() -> Path:
+    """Where compiled code is kept: the kvactor cache, per torch version and CPU."""
+    from kernels.cpu import cpu_features
+    from kernels.gguf_loader import kvactor_cache_dir
+
+    f = cpu_features()
+    flags = hashlib.sha256(" ".join(sorted(f.flags)).encode()).hexdigest()[:12]
+    version = torch.__version__.replace("+", "-")
+    return kvactor_cache_dir() / "inductor" / f"torch-{version}-{f.capability}-{flags}"
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A step's tensors in the graph's layout (T rows, L / Ls key lanes)."""
+
+    input_ids: Tensor  # int64 [T]
+    positions: Tensor  # int64 [T]
+    out_slots: Tensor  # int64 [T]: where each row's K/V is written
+    full_slots: Tensor  # int64 [T, L]
+    full_mask: Tensor  # bool [T, 1, 1, L]
+    sliding_slots: Tensor  # int64 [T, Ls], full-pool slots (mapped inside the graph)
+    sliding_mask: Tensor  # bool [T, 1, 1, Ls]
+
+    def as_args(self) -> tuple[Tensor, ...]:
+        return (
+            self.input_ids,
+            self.positions,
+            self.out_slots,
+            self.full_slots,
+            self.full_mask,
+            self.sliding_slots,
+            self.sliding_mask,
+        )
+
+
+def key_lanes(
+    kv_start: np.ndarray, positions: np.ndarray, window: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: flat indices into the step's `kv_indices` of its keys, and which lanes are
+    real, for full and sliding layers. Row t's request starts at `kv_start[t]`; the row is
+    at `positions[t]` and attends positions 0 .. p (full) or p - window + 1 .. p (sliding).
+    Padded lanes index 0 and are masked; every array has at least 2 lanes."""
+    count = positions + 1
+    skip = np.zeros_like(count) if window is None else np.maximum(count - window, 0)
+
+    def lanes(first: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        width = max(int(length.max()), 2)
+        lane = np.arange(width, dtype=np.int64)
+        valid = lane[None, :] < length[:, None]
+        return np.where(valid, (kv_start + first)[:, None] + lane[None, :], 0), valid
+
+    full, full_valid = lanes(np.zeros_like(count), count)
+    sliding, sliding_valid = lanes(skip, count - skip)
+    return full, full_valid, sliding, sliding_valid
+
+
+class _TokenAttention:
+    """The graph's attention: each row attends its own key lanes (`StepInputs`)."""
+
+    def __init__(self, shape, kv_cache, out_slots, keys) -> None:
+        self.shape = shape
+        self.out_slots = out_slots
+        # is_sliding -> (slots in that layer's pool, mask)
+        self.keys = keys
+
+    def forward(self, layer_id, q, k, v, kv_cache, is_sliding):
+        k_all, v_all = kv_cache.layer_kv(layer_id)
+        slots = self.out_slots
+        if layer_id in kv_cache.sliding:
+            slots = kv_cache.sliding_slots(slots)
+        write_kv(k_all, v_all, slots, k, v)
+        slots, mask = self.keys[is_sliding]
+        s = self.shape
+        rows = q.shape[0]
+        grouped = q.view(rows, s.num_kv_heads, s.group_size, s.head_dim)
+        keys = k_all[slots].transpose(1, 2)  # [T, Hkv, L, D]
+        values = v_all[slots].transpose(1, 2)
+        out = _attend(grouped, keys, values, mask, s.scale, s.logit_softcap, 1)
+        return out.reshape(rows, s.num_q_heads, s.head_dim)
+
+
+class CompiledStep:
+    """The compiled body of an executor's small steps; `ready` once compiled."""
+
+    def __init__(self, executor, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        self.executor = executor
+        self.max_tokens = max_tokens
+        self.ready = False
+        self.failed: str | None = None
+        self.compile_s: float | None = None
+        # the compiled kernels' OpenMP team size is fixed when they are generated: the
+        # executor's thread count (this is built on the thread that runs its steps)
+        self.threads = torch.get_num_threads()
+        self.steps = 0  # steps run through the graph
+        self.fallbacks = 0  # steps that would have recompiled and ran eagerly instead
+        self._compiled = None
+
+    # -- the body, traced --------------------------------------------------------------
+    def body(self, input_ids, positions, out_slots, full_slots, full_mask, sl_slots, sl_mask):
+        """Final-norm hidden states [T, hidden] of every row; writes the rows' K/V."""
+        ex = self.executor
+        rope = {t: cache.cos_sin(positions, ex.dtype) for t, cache in ex.rotary.items()}
+        keys = {
+            False: (full_slots, full_mask),
+            True: (ex.kv_cache.sliding_slots(sl_slots), sl_mask),
+        }
+        attention = _TokenAttention(ex.shape, ex.kv_cache, out_slots, keys)
+        ctx = ForwardContext(attention=attention, kv_cache=ex.kv_cache, rope=rope)
+        return ex.model(input_ids, ctx, None)
+
+    # -- compiling ---------------------------------------------------------------------
+    def compile(self) -> None:
+        """Trace and compile the body (minutes cold; seconds from the disk cache). Safe to
+        call from a background thread while the executor serves eagerly: until `ready`,
+        nothing routes to the graph. A failure leaves eager serving as it was."""
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root()))
+        import torch._dynamo
+
+        start = time.perf_counter()
+        torch.set_num_threads(self.threads)  # this thread's own count (see __init__)
+        try:
+            with torch.inference_mode():
+                compiled = torch.compile(self._own_body(), fullgraph=True)
+                # rows symbolic (>= 2), then one row: a graph of its own (see the module doc)
+                for rows in (3, 1):
+                    args = self._warmup_inputs(rows).as_args()
+                    lane_dims = ((), (), (), (1,), (3,), (1,), (3,))
+                    for tensor, dims in zip(args, lane_dims):
+                        for dim in (*dims, 0) if rows > 1 else dims:
+                            torch._dynamo.mark_dynamic(tensor, dim)
+                    compiled(*args)
+                self._compiled = compiled
+        except Exception as exc:  # noqa: BLE001 - any compiler failure leaves eager mode
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            return
+        self.compile_s = time.perf_counter() - start
+        self.ready = True
+
+    def _own_body(self):
+        """`body` bound to this instance through a code object of its own: Dynamo keeps its
+        compiled graphs per code object, and one executor's graphs must never be tried
+        (or counted against the recompile limit) for another's."""
+        code = CompiledStep.body.__code__.replace(co_name=f"body_{next(_INSTANCES)}")
+        return types.MethodType(types.FunctionType(code, CompiledStep.body.__globals__), self)
+
+    def _warmup_inputs(self, rows: int) -> StepInputs:
+        """Padding rows only (slot 0), with lane counts distinct from each other and from
+        `rows`, and >= 2, so that none is specialized or tied to another."""
+        device = self.executor.device
+        lanes, sliding_lanes = 7, 5
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        full_mask = zeros(rows, 1, 1, lanes, dtype=torch.bool)
+        full_mask[..., 0] = True
+        sliding_mask = zeros(rows, 1, 1, sliding_lanes, dtype=torch.bool)
+        sliding_mask[..., 0] = True
+        return StepInputs(
+            zeros(rows),
+            zeros(rows),
+            zeros(rows),
+            zeros(rows, lanes),
+            full_mask,
+            zeros(rows, sliding_lanes),
+            sliding_mask,
+        )
+
+    # -- serving -----------------------------------------------------------------------
+    def fits(self, num_tokens: int) -> bool:
+        return self.ready and num_tokens <= self.max_tokens
+
+    def inputs(self, meta: AttentionMetadata, input_ids: Tensor) -> StepInputs:
+        """The graph's inputs for a built step (`AttentionMetadata`)."""
+        extend = meta.extend_lens_host.astype(np.int64)
+        request = np.repeat(np.arange(extend.size), extend)
+        within = np.arange(int(extend.sum()), dtype=np.int64) - np.repeat(
+            meta.qo_indptr_host[:-1].astype(np.int64), extend
+        )
+        positions = meta.prefix_lens_host.astype(np.int64)[request] + within
+        kv_start = meta.kv_indptr_host[:-1].astype(np.int64)[request]
+        full, full_valid, sliding, sliding_valid = key_lanes(
+            kv_start, positions, meta.shape.sliding_window
+        )
+        device = meta.kv_indices.device
+        index = torch.from_numpy(np.concatenate([full.ravel(), sliding.ravel()])).to(device)
+        slots = meta.kv_indices[index]
+        valid = torch.from_numpy(np.concatenate([full_valid.ravel(), sliding_valid.ravel()]))
+        slots = torch.where(valid.to(device), slots, torch.zeros_like(slots))
+        return StepInputs(
+            input_ids=input_ids,
+            positions=meta.positions,
+            out_slots=meta.out_slots,
+            full_slots=slots[: full.size].view(full.shape),
+            full_mask=torch.from_numpy(full_valid).to(device)[:, None, None, :],
+            sliding_slots=slots[full.size :].view(sliding.shape),
+            sliding_mask=torch.from_numpy(sliding_valid).to(device)[:, None, None, :],
+        )
+
+    def run(self, inputs: StepInputs) -> Tensor | None:
+        """Hidden states [T, hidden], or None where the graph
+        would have to recompile (the caller then runs the step eagerly)."""
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
+                hidden = self._compiled(*inputs.as_args())
+        except RuntimeError as exc:
+            if "recompil" not in str(exc).lower():
+                raise
+            self.fallbacks += 1
+            return None
+        self.steps += 1
+        return hidden

@@ -1,0 +1,67 @@
+"""Products on opaque packed weights, as an op `torch.compile` can put in a graph.
+
+The CPU's packed linears (`kernels.linear`: fbgemm's fp16 packing, oneDNN's blocked layout)
+hold their weight as an opaque object (a TorchScript object or an MKLDNN tensor) that
+Dynamo cannot trace. Inside a compiled region such a module calls `packed_linear`, a custom
+op that names the module by an integer handle and states the output's shape, so the graph
+keeps the product as one call to the same kernel (`kernels.compiled_step`). Outside a
+compiled region the modules call their kernel directly, at no cost.
+
+Handles are never reused; the registry holds modules weakly, so a dropped model's packed
+weights are freed as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class PackedProduct(Protocol):
+    def product(self, rows: Tensor) -> Tensor: ...
+
+
+_MODULES: dict[int, weakref.ref] = {}
+_HANDLES = itertools.count(1)
+
+
+def register(module: PackedProduct) -> int:
+    """A handle for `module` (its `product(rows [N, in]) -> [N, out]` is what the op runs)."""
+    handle = next(_HANDLES)
+    _MODULES[handle] = weakref.ref(module, lambda _: _MODULES.pop(handle, None))
+    return handle
+
+
+@torch.library.custom_op("kvactor::packed_linear", mutates_args=())
+def packed_linear(rows: Tensor, handle: int, out_features: int) -> Tensor:
+    """rows [N, in] -> [N, out_features] through the registered module's own kernel."""
+    ref = _MODULES.get(handle)
+    module = ref() if ref is not None else None
+    if module is None:
+        raise RuntimeError(f"packed linear {handle} is gone (its model was dropped)")
+    return module.product(rows)
+
+
+@packed_linear.register_fake
+def _(rows: Tensor, handle: int, out_features: int) -> Tensor:
+    return rows.new_empty((rows.shape[0], out_features))
+
+
+def product(module, rows: Tensor) -> Tensor:
+    """`module.product(rows)`, as the custom op while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return packed_linear(rows, module.handle, module.out_features)
+    return module.product(rows)
+
+
+@torch.library.custom_op("kvactor::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    """k_cache[slots] = k and v_cache[slots] = v, in place: a compiled graph writes a layer's
+    new K/V into the pool itself (traced as plain indexing, a write into a view of the pool
+    becomes a copy of the whole pool)."""
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))

@@ -1,0 +1,253 @@
+"""The compiled small-step graph (kernels/compiled_step.py) against the eager executor.
+
+Tiny random models (a Gemma 3 with a sliding window of 8 and soft-capping, a Llama with
+4 query / 2 KV heads on fbgemm's fp16-packed linears) are compiled once per module. The
+executor keeps a split KV pool with a permuted sliding-page map, so the graph's own
+sliding-window mapping is exercised. Every case runs the same step eagerly and through the
+graph, writing the same slots, and compares logits and the K/V written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.attention import make_attention_backend
+from kernels.compiled_step import CompiledStep, compile_choice, key_lanes
+from kernels.forward_batch import ForwardBatch
+from kernels.kv_cache import KVCache, ReqToTokenTable
+from kernels.model_executor import ModelExecutor
+from kernels.models import load_model
+
+VOCAB = 256
+PAGE = 4
+ROWS = 4
+CAPACITY = 64  # slots per row: row r owns full pages r * 16 + 1 .. (r + 1) * 16
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def _hf_config(name: str):
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    if name == "gemma3":
+        return Gemma3TextConfig(
+            **COMMON,
+            num_hidden_layers=3,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            final_logit_softcapping=30.0,
+        )
+    return LlamaConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
+
+
+def _executor(folder: Path, linear: str) -> ModelExecutor:
+    config, model = load_model(folder, torch.float32)
+    pages = ROWS * CAPACITY // PAGE
+    sliding = config.sliding_layers
+    kv = KVCache(
+        config.num_layers,
+        (pages + 1) * PAGE,
+        config.num_kv_heads,
+        config.head_dim,
+        torch.float32,
+        page_size=PAGE,
+        sliding_layers=sliding,
+        swa_num_pages=pages if sliding else 0,
+    )
+    if sliding:  # a permutation: reading the full pool's slots on a sliding layer is wrong
+        full = np.arange(1, pages + 1)
+        kv.map_swa(full.tolist(), (pages + 1 - full).tolist())
+    table = ReqToTokenTable(ROWS, CAPACITY)
+    flat = torch.arange(PAGE, PAGE + ROWS * CAPACITY, dtype=torch.int32)
+    table.apply_slot_deltas(list(range(ROWS)), [0] * ROWS, [CAPACITY] * ROWS, flat)
+    executor = ModelExecutor(
+        config, model, kv, make_attention_backend("torch"), table, linear=linear
+    )
+    executor.compiled = CompiledStep(executor)
+    executor.compiled.compile()
+    assert executor.compiled.ready, executor.compiled.failed
+    return executor
+
+
+@pytest.fixture(scope="module", params=[("gemma3", "aten"), ("llama", "fp16")], ids=str)
+def executor(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    name, linear = request.param
+    torch.manual_seed(99)
+    hf = AutoModelForCausalLM.from_config(_hf_config(name), dtype=torch.float32)
+    with torch.no_grad():  # non-trivial norms (Gemma's start at zero)
+        for param_name, param in hf.named_parameters():
+            if "norm" in param_name:
+                param.uniform_(-0.5, 0.5)
+    folder = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(folder)
+    return _executor(folder, linear)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _prefill(executor, lens: list[int]) -> list[list[int]]:
+    prompts = [_prompt(n, seed=i) for i, n in enumerate(lens)]
+    rows = list(range(len(lens)))
+    executor.compiled.max_tokens = 0  # prefill eagerly
+    executor.forward(ForwardBatch(rows, [0] * len(rows), prompts, [True] * len(rows)))
+    return prompts
+
+
+def _both(executor, make_batch, run):
+    """(eager, compiled) outputs of the same step, and the K/V each wrote at its slots."""
+    compiled = executor.compiled
+    outputs, written = [], []
+    for limit in (0, 32):
+        compiled.max_tokens = limit
+        before = compiled.steps
+        batch = make_batch()
+        outputs.append(run(batch))
+        assert compiled.steps == before + (limit > 0)  # the graph ran exactly when allowed
+        written.append(_written(executor, batch))
+    return outputs, written
+
+
+def _written(executor, batch: ForwardBatch) -> list[torch.Tensor]:
+    """Every layer's K and V at the step's new positions (read back through the table)."""
+    kv, table = executor.kv_cache, executor.req_to_token.table
+    slots = torch.cat(
+        [
+            table[row, start : start + len(ids)].long()
+            for row, start, ids in zip(batch.rows, batch.prefix_lens, batch.input_ids)
+        ]
+    )
+    out = []
+    for layer in range(kv.num_layers):
+        k_all, v_all = kv.layer_kv(layer)
+        at = kv.sliding_slots(slots) if layer in kv.sliding else slots
+        out += [k_all[at].clone(), v_all[at].clone()]
+    return out
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
+    assert a.shape == b.shape
+    assert (a - b).abs().max().item() < tol * max(1.0, b.abs().max().item())
+
+
+def test_decode_rows_match_eager(executor):
+    lens = [3, 9, 20, 40]  # shorter and longer than the sliding window of 8
+    _prefill(executor, lens)
+    for n in (1, 2, 4):
+        rows = list(range(n))
+
+        def batch(rows=rows):
+            return ForwardBatch.decode(rows, [lens[r] for r in rows], [7 + r for r in rows])
+
+        (eager, compiled), (kv_eager, kv_compiled) = _both(executor, batch, executor.forward)
+        _close(compiled, eager)
+        assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
+        for a, b in zip(kv_compiled, kv_eager):
+            _close(a, b, 1e-5)
+
+
+def test_draft_verification_and_prefill_chunks_match_eager(executor):
+    lens = [12, 30, 5]
+    _prefill(executor, lens)
+
+    def batch():  # a 5-token verification row, a decode row, a 6-token prefill chunk
+        return ForwardBatch(
+            [0, 1, 2], list(lens), [[11, 12, 13, 14, 15], [16], _prompt(6, 5)], [True] * 3
+        )
+
+    def full(b):
+        return executor.forward_full(b, [True, False, False])
+
+    ((eager, eager_spans), (compiled, compiled_spans)), (kv_eager, kv_compiled) = _both(
+        executor, batch, full
+    )
+    _close(compiled, eager)
+    assert compiled_spans[0].shape == (5, VOCAB)
+    _close(compiled_spans[0], eager_spans[0])
+    for a, b in zip(kv_compiled, kv_eager):
+        _close(a, b, 1e-5)
+    (eager, compiled), _ = _both(executor, batch, executor.forward)
+    _close(compiled, eager)
+
+
+def test_wide_steps_stay_eager_and_a_would_be_recompile_runs_eagerly(executor):
+    _prefill(executor, [10, 10])
+    compiled = executor.compiled
+    compiled.max_tokens = 4
+    steps = compiled.steps
+    executor.forward(ForwardBatch([0, 1], [10, 10], [_prompt(3, 1), _prompt(3, 2)], [True, True]))
+    assert compiled.steps == steps  # 6 new tokens > max_tokens 4: eager
+    # Inputs the graph was not traced for (int32 slots) would recompile: refused, counted.
+    with torch.inference_mode():  # as the executor builds a step
+        meta = executor._build(ForwardBatch.decode([0], [10], [5]))
+        inputs = compiled.inputs(meta, meta.extra[0])
+        bad = type(inputs)(**{**vars(inputs), "full_slots": inputs.full_slots.int()})
+    fallbacks = compiled.fallbacks
+    assert compiled.run(bad) is None
+    assert compiled.fallbacks == fallbacks + 1
+    assert compiled.run(inputs) is not None  # the graph itself still serves
+
+
+def test_compile_failure_leaves_eager_serving(executor):
+    broken = CompiledStep(executor)
+
+    def fails(rows):
+        raise RuntimeError("the compiler failed")
+
+    broken._warmup_inputs = fails
+    broken.compile()
+    assert not broken.ready and broken.failed and not broken.fits(1)
+
+
+def test_key_lanes_window_and_padding():
+    full, full_valid, sliding, sliding_valid = key_lanes(
+        np.array([0, 0, 10]), np.array([0, 5, 2]), window=3
+    )
+    assert full.shape == (3, 6) and sliding.shape == (3, 3)
+    assert full[1].tolist() == [0, 1, 2, 3, 4, 5] and full_valid[1].all()
+    assert full[0].tolist() == [0] * 6 and full_valid[0].tolist() == [True] + [False] * 5
+    assert sliding[1].tolist() == [3, 4, 5]  # positions 3..5 of request 0
+    assert sliding[2].tolist() == [10, 11, 12] and sliding_valid[2].all()
+    lone = key_lanes(np.array([4]), np.array([0]), window=None)
+    assert lone[0].shape == (1, 2) and lone[1].tolist() == [[True, False]]  # >= 2 lanes
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "dtype", "linear", "on"),
+    [
+        ("auto", "cpu", torch.float32, "aten", False),  # the exact path stays eager
+        ("auto", "cpu", torch.float32, "fp16", True),
+        ("auto", "cpu", torch.bfloat16, "aten", True),
+        ("on", "cpu", torch.float32, "aten", True),
+        ("auto", "cuda", torch.bfloat16, "aten", False),
+        ("off", "cpu", torch.bfloat16, "aten", False),
+    ],
+)
+def test_compile_choice(requested, device, dtype, linear, on):
+    assert compile_choice(requested, device, dtype, linear)[0] is on
+
+
+def test_compile_choice_refuses_what_cannot_run():
+    with pytest.raises(ValueError, match="CPU path"):
+        compile_choice("on", "cuda", torch.bfloat16, "aten")
+    with pytest.raises(ValueError, match="one of"):
+        compile_choice("yes", "cpu", torch.float32, "aten")
