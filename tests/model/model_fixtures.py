@@ -24,6 +24,22 @@ from kernels.model_executor import ModelExecutor
 _HEADS: weakref.WeakKeyDictionary[torch.nn.Module, LmHead] = weakref.WeakKeyDictionary()
 
 
+# The tiny random HF models' shared config fields (a vocabulary of TINY_VOCAB ids; 0-2 are
+# pad, bos, eos).
+TINY_VOCAB = 512
+TINY_COMMON = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
 def shared_lm_head(config: ModelConfig, model: torch.nn.Module) -> LmHead:
     head = _HEADS.get(model)
     if head is None:

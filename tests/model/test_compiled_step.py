@@ -21,22 +21,13 @@ from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import KVCache, ReqToTokenTable
 from kernels.model_executor import ModelExecutor
 from kernels.models import load_model
+from tests.model.model_fixtures import TINY_COMMON, TINY_VOCAB
 
-VOCAB = 256
 PAGE = 4
 ROWS = 4
 CAPACITY = 64  # slots per row: row r owns full pages r * 16 + 1 .. (r + 1) * 16
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-    initializer_range=0.1,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+VOCAB = TINY_VOCAB
+COMMON = TINY_COMMON
 
 
 def _hf_config(name: str):

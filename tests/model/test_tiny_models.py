@@ -19,20 +19,16 @@ from kernels.attention import AttentionMetadata, AttentionShape, make_attention_
 from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import KVCache, ReqToTokenTable
 from kernels.models import load_model
-from tests.model.model_fixtures import GreedyRunner, make_executor, rel_l2
-
-VOCAB = 512
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-    initializer_range=0.1,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
+from tests.model.model_fixtures import (
+    TINY_COMMON,
+    TINY_VOCAB,
+    GreedyRunner,
+    make_executor,
+    rel_l2,
 )
+
+VOCAB = TINY_VOCAB
+COMMON = TINY_COMMON
 
 
 def _configs():
