@@ -6,7 +6,8 @@ head, and the same prefill/decode figures for HF transformers (same process, sam
 fp32). Each figure is the best of `--repeats` timed runs after one warm-up run (the dev
 machine is shared; the best run is the least disturbed one). Before the timings it prints
 the bytes the loaded weights hold beside the model file's size, and the peak RSS so far;
-`--quantization` loads the model as the runner does for that `model.quantization`.
+`--quantization` loads the model as the runner does for that `model.quantization`;
+`--compile` times each decode step through the compiled small-step graph and eagerly.
 """
 
 from __future__ import annotations
@@ -69,12 +70,27 @@ def bench_ours(config, model, args, lm_head=None) -> dict[str, float]:
     prompt = _prompts(config, 1, args.prefill_len, seed=0)
     seconds = time_calls(lambda: engine.prefill(prompt), args.repeats).best
     results["prefill_tok_s"] = args.prefill_len / seconds
+    compiled = None
+    if args.compile:
+        from kernels.compiled_step import CompiledStep
+
+        compiled = engine.executor.compiled = CompiledStep(engine.executor)
+        compiled.compile()
+        if not compiled.ready:
+            raise SystemExit(f"compile failed: {compiled.failed}")
+        results["compile_s"] = compiled.compile_s
+        print(f"compiled the small-step graphs in {compiled.compile_s:.1f} s", flush=True)
     for batch in args.batches:
         prompts = _prompts(config, batch, args.context, seed=batch)
         engine.prefill(prompts)
         lens = [args.context] * batch
         tokens = [p[-1] for p in prompts]
         # Re-decoding at the same position overwrites the same slot: a steady-state step.
+        if compiled is not None:  # the same step eagerly, for the ratio
+            limit, compiled.max_tokens = compiled.max_tokens, 0
+            eager = time_calls(lambda: engine.decode_step(lens, tokens), args.repeats).best
+            compiled.max_tokens = limit
+            results[f"decode_b{batch}_eager_ms"] = eager * 1000
         step = time_calls(lambda: engine.decode_step(lens, tokens), args.repeats).best
         hidden = torch.randn(batch, config.hidden, dtype=model.embed_tokens.weight.dtype)
         head = time_calls(lambda: engine.executor.lm_head(hidden), args.repeats).best
@@ -149,6 +165,8 @@ def _print(label: str, results: dict[str, float], args) -> None:
         )
         if f"lm_head_b{b}_share" in results:
             line += f", lm_head {100 * results[f'lm_head_b{b}_share']:.0f}% of the step"
+        if f"decode_b{b}_eager_ms" in results:
+            line += f" (compiled; eager {results[f'decode_b{b}_eager_ms']:.1f} ms/step)"
         print(line, flush=True)
 
 
@@ -203,6 +221,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=["auto", "none", "int8", "int4"],
         default="none",
         help="model.quantization as the runner resolves it (auto keeps a quantized GGUF so)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode steps through the compiled small-step graph (model.compile), each "
+        "batch also timed eagerly",
     )
     parser.add_argument(
         "--profile",

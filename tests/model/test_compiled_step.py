@@ -242,3 +242,19 @@ def test_compile_choice_refuses_what_cannot_run():
         compile_choice("on", "cuda", torch.bfloat16, "aten")
     with pytest.raises(ValueError, match="one of"):
         compile_choice("yes", "cpu", torch.float32, "aten")
+
+
+def test_bench_model_times_compiled_and_eager_steps(tmp_path, capsys):
+    from actors.bench.model import main
+    from tests.e2e.engine_fixtures import save_tiny_llama
+
+    save_tiny_llama(tmp_path, vocab_size=300)
+    main(
+        ["--model", str(tmp_path), "--batches", "1,3", "--context", "12", "--prefill-len", "16"]
+        + ["--repeats", "1", "--no-hf", "--linear", "aten", "--compile"]
+    )
+    out = capsys.readouterr().out
+    assert "compiled the small-step graphs in" in out
+    for batch in (1, 3):
+        assert f"decode batch  {batch} (context 12)" in out
+    assert out.count("(compiled; eager") == 2
