@@ -52,12 +52,23 @@ DEFAULT_MAX_TOKENS = 32
 _INSTANCES = itertools.count(1)
 
 
+# CPU capabilities (torch's dispatch level) the compiled steps are verified on. With
+# ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine the compiled Gemma body gave wrong logits
+# (saturated at the soft-cap): until that is understood, AVX2-only CPUs serve eagerly.
+VERIFIED_CAPABILITIES = ("AVX512",)
+
+
+def compile_verified_here() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in VERIFIED_CAPABILITIES
+
+
 def compile_choice(
-    requested: str, device: str, dtype: torch.dtype, linear: str
+    requested: str, device: str, dtype: torch.dtype, linear: str, verified: bool | None = None
 ) -> tuple[bool, str]:
     """Whether the runner compiles its small steps, and why. `auto`: on the CPU, except on
     the exact path (float32 with aten linears), whose logits must stay those of eager mode
-    (a compiled graph sums in another order: differences of ~1e-5)."""
+    (a compiled graph sums in another order: differences of ~1e-5), and except on a CPU
+    capability the compiled steps are not verified on (`verified`, default: this CPU's)."""
     if requested not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {requested!r}")
     if requested == "off":
@@ -66,6 +77,14 @@ def compile_choice(
         if requested == "on":
             raise ValueError("model.compile = on is a CPU path (CUDA steps replay CUDA graphs)")
         return False, f"auto: {device} replays CUDA graphs instead"
+    if not (compile_verified_here() if verified is None else verified):
+        why = (
+            f"compiled steps are verified on {', '.join(VERIFIED_CAPABILITIES)} CPUs only, "
+            f"this one dispatches {torch.backends.cpu.get_cpu_capability()}"
+        )
+        if requested == "on":
+            raise ValueError(f"model.compile = on: {why}")
+        return False, f"auto: {why}; eager"
     if requested == "on":
         return True, "set in the config"
     if dtype == torch.float32 and linear == "aten":

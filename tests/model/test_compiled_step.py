@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from kernels.attention import make_attention_backend
-from kernels.compiled_step import CompiledStep, compile_choice, key_lanes
+from kernels.compiled_step import (
+    CompiledStep,
+    compile_choice,
+    compile_verified_here,
+    key_lanes,
+)
 from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import KVCache, ReqToTokenTable
 from kernels.model_executor import ModelExecutor
@@ -76,8 +81,17 @@ def _executor(folder: Path, linear: str) -> ModelExecutor:
     return executor
 
 
+# A hardware gate: where compiled steps are not verified, `compile_choice` keeps the runner
+# eager (test_compile_choice_refuses_what_cannot_run checks that on every CPU).
+needs_verified_cpu = pytest.mark.skipif(
+    not compile_verified_here(), reason="compiled steps are verified on AVX-512 CPUs only"
+)
+
+
 @pytest.fixture(scope="module", params=[("gemma3", "aten"), ("llama", "fp16")], ids=str)
 def executor(request, tmp_path_factory):
+    if not compile_verified_here():
+        pytest.skip("compiled steps are verified on AVX-512 CPUs only")
     from transformers import AutoModelForCausalLM
 
     name, linear = request.param
@@ -234,7 +248,7 @@ def test_key_lanes_window_and_padding():
     ],
 )
 def test_compile_choice(requested, device, dtype, linear, on):
-    assert compile_choice(requested, device, dtype, linear)[0] is on
+    assert compile_choice(requested, device, dtype, linear, verified=True)[0] is on
 
 
 def test_compile_choice_refuses_what_cannot_run():
@@ -242,8 +256,13 @@ def test_compile_choice_refuses_what_cannot_run():
         compile_choice("on", "cuda", torch.bfloat16, "aten")
     with pytest.raises(ValueError, match="one of"):
         compile_choice("yes", "cpu", torch.float32, "aten")
+    on, why = compile_choice("auto", "cpu", torch.bfloat16, "aten", verified=False)
+    assert not on and "verified on AVX512" in why
+    with pytest.raises(ValueError, match="verified on AVX512"):
+        compile_choice("on", "cpu", torch.bfloat16, "aten", verified=False)
 
 
+@needs_verified_cpu
 def test_bench_model_times_compiled_and_eager_steps(tmp_path, capsys):
     from actors.bench.model import main
     from tests.e2e.engine_fixtures import save_tiny_llama
