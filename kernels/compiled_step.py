@@ -23,14 +23,15 @@ two compiles serve every batch and context. Invariants the callers rely on:
 
 Compiled code is cached on disk (Inductor's FX graph cache) under `cache_root()`: one folder
 per torch version and CPU (capability and flags), so a restart traces the graph again but
-does not recompile it.
+does not recompile it. The folder is set for every compile, whatever TORCHINDUCTOR_CACHE_DIR
+held: Inductor's own cache key omits the vector ISA it generated code for, so a shared folder
+served AVX-512 code, built with AVX2 flags, to an AVX2 process (wrong logits, not an error).
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import time
 import types
 from dataclasses import dataclass
@@ -52,10 +53,9 @@ DEFAULT_MAX_TOKENS = 32
 _INSTANCES = itertools.count(1)
 
 
-# CPU capabilities (torch's dispatch level) the compiled steps are verified on. With
-# ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine the compiled Gemma body gave wrong logits
-# (saturated at the soft-cap): until that is understood, AVX2-only CPUs serve eagerly.
-VERIFIED_CAPABILITIES = ("AVX512",)
+# CPU capabilities (torch's dispatch level) the compiled steps are verified on; others
+# (no AVX2) serve eagerly.
+VERIFIED_CAPABILITIES = ("AVX512", "AVX2")
 
 
 def compile_verified_here() -> bool:
@@ -207,13 +207,15 @@ class CompiledStep:
         """Trace and compile the body (minutes cold; seconds from the disk cache). Safe to
         call from a background thread while the executor serves eagerly: until `ready`,
         nothing routes to the graph. A failure leaves eager serving as it was."""
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root()))
         import torch._dynamo
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
         start = time.perf_counter()
         torch.set_num_threads(self.threads)  # this thread's own count (see __init__)
         try:
-            with torch.inference_mode():
+            # Not setdefault: Inductor writes its default folder into the environment the
+            # first time anything asks for it (see the module doc).
+            with torch.inference_mode(), temporary_cache_dir(str(cache_root())):
                 compiled = torch.compile(self._own_body(), fullgraph=True)
                 # rows symbolic (>= 2), then one row: a graph of its own (see the module doc)
                 for rows in (3, 1):

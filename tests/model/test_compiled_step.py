@@ -18,6 +18,7 @@ import torch
 from kernels.attention import make_attention_backend
 from kernels.compiled_step import (
     CompiledStep,
+    cache_root,
     compile_choice,
     compile_verified_here,
     key_lanes,
@@ -81,17 +82,28 @@ def _executor(folder: Path, linear: str) -> ModelExecutor:
     return executor
 
 
-# A hardware gate: where compiled steps are not verified, `compile_choice` keeps the runner
-# eager (test_compile_choice_refuses_what_cannot_run checks that on every CPU).
+# A hardware gate: where compiled steps are not verified (no AVX2), `compile_choice` keeps
+# the runner eager (test_compile_choice_refuses_what_cannot_run checks that on every CPU).
 needs_verified_cpu = pytest.mark.skipif(
-    not compile_verified_here(), reason="compiled steps are verified on AVX-512 CPUs only"
+    not compile_verified_here(), reason="compiled steps are verified on AVX-512 and AVX2 CPUs only"
 )
 
 
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """A kvactor cache of the module's own, and Inductor's folder as torch leaves it once
+    anything asked for it (its default written into the environment): a decoy here."""
+    kvactor, decoy = tmp_path_factory.mktemp("kvactor"), tmp_path_factory.mktemp("decoy")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVACTOR_CACHE", str(kvactor))
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(decoy))
+        yield kvactor, decoy
+
+
 @pytest.fixture(scope="module", params=[("gemma3", "aten"), ("llama", "fp16")], ids=str)
-def executor(request, tmp_path_factory):
+def executor(request, tmp_path_factory, caches):
     if not compile_verified_here():
-        pytest.skip("compiled steps are verified on AVX-512 CPUs only")
+        pytest.skip("compiled steps are verified on AVX-512 and AVX2 CPUs only")
     from transformers import AutoModelForCausalLM
 
     name, linear = request.param
@@ -192,6 +204,17 @@ def test_draft_verification_and_prefill_chunks_match_eager(executor):
         _close(a, b, 1e-5)
     (eager, compiled), _ = _both(executor, batch, executor.forward)
     _close(compiled, eager)
+
+
+def test_compiled_code_is_cached_per_capability_whatever_inductor_chose(executor, caches):
+    # Inductor's cache key omits the vector ISA: code generated for AVX-512 and found in a
+    # shared folder was built with AVX2 flags under ATEN_CPU_CAPABILITY=avx2 (wrong logits).
+    kvactor, decoy = caches
+    root = cache_root()
+    assert root.parent == kvactor / "inductor"
+    assert torch.backends.cpu.get_cpu_capability() in root.name
+    assert any((root / "fxgraph").rglob("*")), "no graph in the kvactor cache"
+    assert not any(decoy.rglob("*")), "Inductor wrote to the folder it had chosen itself"
 
 
 def test_wide_steps_stay_eager_and_a_would_be_recompile_runs_eagerly(executor):
