@@ -208,11 +208,17 @@ def fits_fp16(weights) -> bool:
 
 
 def choose_linear_backend(
-    requested: str, device: torch.device, dtype: torch.dtype, weights=None
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    weights=None,
+    native_bf16: bool | None = None,
 ) -> tuple[str, str]:
     """The decoder linears' backend for `requested` (a name or "auto") and why; what this
     machine cannot run is an error naming why. `weights` (the tensors to be packed), when
-    given, lets "auto" keep aten for weights fp16 cannot hold."""
+    given, lets "auto" keep aten for weights fp16 cannot hold. `auto` on the CPU: fp16
+    weights for an fp32 model; oneDNN-packed weights for a bf16 model where the CPU
+    multiplies bf16 natively (`native_bf16`, default: this CPU's), F.linear otherwise."""
     if requested not in (*LINEAR_BACKENDS, "auto"):
         raise ValueError(
             f"linear backend must be auto or one of {LINEAR_BACKENDS}, got {requested!r}"
@@ -220,6 +226,13 @@ def choose_linear_backend(
     if requested == "auto":
         if device.type != "cpu":
             return "aten", f"auto: aten on {device.type}"
+        if dtype == torch.bfloat16:
+            if native_bf16 is None:
+                from kernels.cpu import cpu_features
+
+                native_bf16 = cpu_features().native_bf16
+            if native_bf16 and onednn_linear_works(dtype):
+                return "onednn", "auto: bf16 model, native bf16 CPU: oneDNN-packed weights"
         if dtype != torch.float32:
             return "aten", f"auto: aten for a {_name(dtype)} model"
         if not fp16_linear_works():

@@ -45,7 +45,8 @@ class ModelSection(_Section):
     # decode steps as CUDA graphs per batch-size bucket (CUDA only; flashinfer or triton)
     cuda_graphs: bool = True
     # weight layout of the decoder linears and LM head (kernels/linear.py): auto = fp16 for
-    # an fp32 model on the CPU (fbgemm), else aten; aten = F.linear; onednn = oneDNN-packed;
+    # an fp32 model on the CPU (fbgemm), oneDNN-packed for a bf16 model on a CPU with native
+    # bf16, else aten; aten = F.linear; onednn = oneDNN-packed;
     # fp16 = fp16 weights, fp32 activations and accumulation (fp32 models on x86 CPUs)
     linear: Literal["auto", "aten", "onednn", "fp16"] = "auto"
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)

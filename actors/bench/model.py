@@ -8,6 +8,11 @@ machine is shared; the best run is the least disturbed one). Before the timings 
 the bytes the loaded weights hold beside the model file's size, and the peak RSS so far;
 `--quantization` loads the model as the runner does for that `model.quantization`;
 `--compile` times each decode step through the compiled small-step graph and eagerly.
+
+The floor of a decode step is its memory traffic: every weight is read once. Before the
+timings it measures the machine's memory bandwidth (STREAM-like: a sum reading a buffer far
+larger than the caches, and a copy, with torch's threads), and each batch's line gives the
+step's floor (the bytes a step reads at that read bandwidth) as a share of the measured step.
 """
 
 from __future__ import annotations
@@ -56,6 +61,36 @@ class _OurEngine:
         return self.executor.forward(ForwardBatch.decode(rows, lens, tokens))
 
 
+BANDWIDTH_BUFFER_MIB = 512  # far past any last-level cache
+
+
+def memory_bandwidth(repeats: int, mib: int = BANDWIDTH_BUFFER_MIB) -> tuple[float, float]:
+    """(read, copy) bandwidth in GB/s with torch's threads: a float32 sum over `mib` MiB (bytes
+    read), and a copy of it (bytes read plus bytes written, as STREAM counts them)."""
+    source = torch.ones(mib * 2**20 // 4)
+    target = torch.empty_like(source)
+    read = time_calls(lambda: source.sum(), repeats).best
+    copy = time_calls(lambda: target.copy_(source), repeats).best
+    return source.nbytes / read / 1e9, 2 * source.nbytes / copy / 1e9
+
+
+def step_read_bytes(model: torch.nn.Module, head) -> int:
+    """Weight bytes a batch-1 decode step reads: every decoder layer's as loaded (packed,
+    quantized or plain) and the LM head's in the form its batch-1 backend reads (the
+    embedding table is gathered a row at a time, so it is not counted)."""
+    from kernels.memory_plan import measured_weight_bytes
+
+    layers = sum(measured_weight_bytes(layer) for layer in model.layers)
+    backend = head.backend_for(1)
+    if backend == "fp16":
+        head_bytes = head.vocab_size * head.hidden_size * 2
+    elif backend == "quantized":
+        head_bytes = sum(t.numel() * t.element_size() for t in head._quantized.tensors)
+    else:  # aten, onednn, numpy: the weight's own dtype
+        head_bytes = head.vocab_size * head.hidden_size * head.weight.element_size()
+    return layers + head_bytes
+
+
 def bench_ours(config, model, args, lm_head=None) -> dict[str, float]:
     results: dict[str, float] = {}
     engine = _OurEngine(
@@ -67,6 +102,15 @@ def bench_ours(config, model, args, lm_head=None) -> dict[str, float]:
         lm_head,
     )
     print(f"linear layout {engine.executor.linear}: {engine.executor.linear_reason}")
+    read_bytes = step_read_bytes(model, engine.executor.lm_head)
+    results["step_read_mb"] = read_bytes / 1e6
+    if args.read_gb_s:
+        results["floor_ms"] = read_bytes / (args.read_gb_s * 1e9) * 1000
+        print(
+            f"a decode step reads {read_bytes / 1e6:.0f} MB of weights: "
+            f"{results['floor_ms']:.1f} ms at {args.read_gb_s:.1f} GB/s",
+            flush=True,
+        )
     prompt = _prompts(config, 1, args.prefill_len, seed=0)
     seconds = time_calls(lambda: engine.prefill(prompt), args.repeats).best
     results["prefill_tok_s"] = args.prefill_len / seconds
@@ -165,6 +209,9 @@ def _print(label: str, results: dict[str, float], args) -> None:
         )
         if f"lm_head_b{b}_share" in results:
             line += f", lm_head {100 * results[f'lm_head_b{b}_share']:.0f}% of the step"
+        if "floor_ms" in results:
+            share = results["floor_ms"] / results[f"decode_b{b}_ms"]
+            line += f", weight-read floor {100 * share:.0f}% of the step"
         if f"decode_b{b}_eager_ms" in results:
             line += f" (compiled; eager {results[f'decode_b{b}_eager_ms']:.1f} ms/step)"
         print(line, flush=True)
@@ -229,6 +276,11 @@ def main(argv: list[str] | None = None) -> None:
         "batch also timed eagerly",
     )
     parser.add_argument(
+        "--no-bandwidth",
+        action="store_true",
+        help="skip the memory-bandwidth measurement (and the steps' weight-read floor)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also each batch's decode step broken down by torch's profiler",
@@ -238,6 +290,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    args.read_gb_s = None
+    if not args.no_bandwidth:
+        args.read_gb_s, copy_gb_s = memory_bandwidth(args.repeats)
+        print(
+            f"memory bandwidth: read {args.read_gb_s:.1f} GB/s, copy {copy_gb_s:.1f} GB/s "
+            f"({BANDWIDTH_BUFFER_MIB} MiB buffer)",
+            flush=True,
+        )
     dtypes = {
         "fp32": [torch.float32],
         "bf16": [torch.bfloat16],

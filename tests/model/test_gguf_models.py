@@ -368,6 +368,14 @@ def test_a_synthetic_q4_k_m_gguf_loads_as_stored_and_benches(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "quantization gguf" in out and "weights in memory" in out and "decode batch  1" in out
+    assert "memory bandwidth: read" in out and "weight-read floor" in out
+    # The step's bytes: Q4_K/Q6_K weights held at 4-8 bits (plus scales), not at 16 or 32.
+    c = config
+    weights = c.vocab * c.hidden + c.num_layers * (
+        c.hidden * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+        + 3 * c.hidden * c.intermediate
+    )
+    assert 0.5 * weights < bench_model.step_read_bytes(model, head) < 1.3 * weights
 
 
 def test_bench_quality_builds_each_mode(ggufs):

@@ -138,10 +138,15 @@ def test_choose_linear_backend():
         choose_linear_backend("mkl", cpu, torch.float32)
 
 
-def test_auto_layout_is_fp16_only_for_fp32_models_on_the_cpu():
+def test_auto_layout_fp16_for_fp32_models_onednn_for_bf16_on_native_bf16_cpus():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert choose_linear_backend("auto", cuda, torch.float32)[0] == "aten"
-    assert choose_linear_backend("auto", cpu, torch.bfloat16)[0] == "aten"
+    assert choose_linear_backend("auto", cuda, torch.bfloat16)[0] == "aten"
+    assert choose_linear_backend("auto", cpu, torch.float16)[0] == "aten"
+    # bf16: oneDNN-packed where the CPU multiplies bf16 natively (and oneDNN runs it)
+    assert choose_linear_backend("auto", cpu, torch.bfloat16, native_bf16=False)[0] == "aten"
+    packed = "onednn" if onednn_linear_works(torch.bfloat16) else "aten"
+    assert choose_linear_backend("auto", cpu, torch.bfloat16, native_bf16=True)[0] == packed
     backend, why = choose_linear_backend("auto", cpu, torch.float32)
     assert backend == ("fp16" if fp16_linear_works() else "aten"), why
     assert why.startswith("auto:")
