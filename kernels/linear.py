@@ -22,18 +22,27 @@ Weight layouts for the CPU (`model.linear`), chosen once when a model is built:
   (relative error <= 2^-11 for |w| >= 2^-14, 8 times finer than bf16's). A weight beyond
   fp16's range (|w| > 65504) is refused rather than saturated.
 
+* ``onednn+fp16``: bf16 models only. Each weight twice: oneDNN-packed bf16 (as ``onednn``)
+  for calls of more than `NARROW_ROWS` rows, and an fp16 copy packed for fbgemm for
+  narrower ones: there a step streams every weight, and fbgemm streams it faster than
+  oneDNN's bf16 kernel (`bin/engine bench model` shows both). fp16 holds every bf16 value
+  in its normal range exactly (11 significant bits against 8; |w| < 2^-14 rounds to fp16's
+  subnormals), the narrow product accumulates in fp32 and rounds its output to bf16 as the
+  wide one does, so a row's result differs between the two by summation order only. Twice
+  the decoder's weight bytes, and the LM head keeps an fp16 copy of its own
+  (`kernels.lm_head.narrow_fp16_plan`).
+
 The plain weight is dropped after packing (`.weight` rebuilds a plain copy on demand), so
 memory stays one copy. A tied LM head keeps the fp32 table for the embedding lookup and
 adds an fp16 copy plus oneDNN's copy of the same rounded values (`kernels.lm_head.fp16_plan`;
 1 GB more for Gemma 3's 262144 x 640 head).
 
-``auto`` (`choose_linear_backend`): ``fp16`` for an fp32 model on the CPU where fbgemm runs
-it (CPUs without native bf16 get fp32 from `model.dtype = "auto"`, and there bf16 products
-are emulated, so fp16 storage is the half-width format that runs at full speed), ``aten``
-otherwise: a bf16 model already reads 2 bytes a weight, and on the AVX-512 CPU measured the
-whole engine served slower with oneDNN-packed bf16 weights than with aten (for a reason not
-found), so packing stays opt-in there. `bin/engine bench model --linear ...` and
-`bin/engine bench quality --modes fp32,fp16` measure a machine's choice.
+``auto`` (`choose_linear_backend`), on the CPU: ``fp16`` for an fp32 model where fbgemm
+runs it (CPUs without native bf16 get fp32 from `model.dtype = "auto"`, and there bf16
+products are emulated, so fp16 storage is the half-width format that runs at full speed);
+for a bf16 model on a CPU with native bf16, ``onednn+fp16`` (``onednn`` where fp16 cannot
+hold a weight or fbgemm does not run); ``aten`` otherwise. `bin/engine bench model
+--linear ...` and `bin/engine bench quality --modes fp32,fp16` measure a machine's choice.
 """
 
 from __future__ import annotations
@@ -50,8 +59,12 @@ STACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
-LINEAR_BACKENDS = ("aten", "onednn", "fp16")
+LINEAR_BACKENDS = ("aten", "onednn", "fp16", "onednn+fp16")
 FP16_MAX = 65504.0  # the largest finite fp16
+# onednn+fp16: calls of at most this many rows take the fp16 copy. Measured on an AVX-512
+# bf16 CPU with Gemma 3 270M's decoder (weights streamed from memory): fbgemm's fp16 product
+# is ahead of oneDNN's bf16 one up to 4 rows and behind from 8.
+NARROW_ROWS = 4
 
 
 def decoder_linear(name: str) -> str | None:
@@ -155,6 +168,53 @@ class Fp16Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class NarrowFp16Linear(nn.Module):
+    """A bf16 `nn.Linear` held twice (the ``onednn+fp16`` layout, see the module doc):
+    oneDNN-packed bf16 for calls of more than `NARROW_ROWS` rows, an fp16 copy packed for
+    fbgemm for narrower ones. Inputs and outputs are bf16 either way."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        if weight.dtype != torch.bfloat16:
+            raise ValueError(f"onednn+fp16 linears take bf16 layers, got {weight.dtype}")
+        check_fp16_range(weight, "a linear weight")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.wide = OneDnnLinear(linear)
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        # An opaque fbgemm object (as Fp16Linear's); `weight_bytes` counts it.
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), bias)
+        self.weight_bytes = weight.numel() * 2
+        self.handle = graph_ops.register(self)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.wide.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.wide.bias
+
+    def __deepcopy__(self, memo: dict) -> NarrowFp16Linear:
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        plain = plain.to(torch.bfloat16)
+        plain.weight = nn.Parameter(self.weight, requires_grad=False)
+        if self.bias is not None:
+            plain.bias = nn.Parameter(self.bias.clone(), requires_grad=False)
+        return NarrowFp16Linear(plain)
+
+    def product(self, rows: Tensor) -> Tensor:
+        if rows.shape[0] > NARROW_ROWS:
+            return self.wide.product(rows)
+        out = torch.ops.quantized.linear_dynamic_fp16(rows.float(), self.packed)
+        return out.to(rows.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = graph_ops.product(self, x.reshape(-1, self.in_features))
+        return out.view(*x.shape[:-1], self.out_features)
+
+
 def check_fp16_range(weight: Tensor, what: str) -> None:
     """Refuse a weight fp16 cannot hold (fbgemm would saturate it silently)."""
     largest = _largest_magnitude(weight)
@@ -232,7 +292,14 @@ def choose_linear_backend(
 
                 native_bf16 = cpu_features().native_bf16
             if native_bf16 and onednn_linear_works(dtype):
-                return "onednn", "auto: bf16 model, native bf16 CPU: oneDNN-packed weights"
+                if not fp16_linear_works():
+                    return "onednn", "auto: bf16 model, native bf16 CPU, no fbgemm fp16"
+                if weights is not None and not fits_fp16(weights):
+                    return "onednn", "auto: bf16 model, a weight is beyond fp16's range"
+                return "onednn+fp16", (
+                    "auto: bf16 model, native bf16 CPU: oneDNN-packed weights, fp16 copies "
+                    f"for steps of at most {NARROW_ROWS} rows"
+                )
         if dtype != torch.float32:
             return "aten", f"auto: aten for a {_name(dtype)} model"
         if not fp16_linear_works():
@@ -244,8 +311,13 @@ def choose_linear_backend(
         return "aten", "set in the config"
     if device.type != "cpu":
         raise ValueError(f"the {requested} linear backend is a CPU path, not {device}")
-    if requested == "onednn" and not onednn_linear_works(dtype):
+    if requested in ("onednn", "onednn+fp16") and not onednn_linear_works(dtype):
         raise ValueError(f"oneDNN cannot run {_name(dtype)} linears on this CPU; use aten")
+    if requested == "onednn+fp16":
+        if dtype != torch.bfloat16:
+            raise ValueError(f"onednn+fp16 linears need a bf16 model, not {_name(dtype)}")
+        if not fp16_linear_works():
+            raise ValueError("fbgemm's fp16 linear does not run on this CPU; use onednn")
     if requested == "fp16":
         if dtype != torch.float32:
             raise ValueError(f"fp16 linears need an fp32 model, not {_name(dtype)}; use aten")
@@ -258,12 +330,16 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-PACKED_LINEARS: dict[str, type[nn.Module]] = {"onednn": OneDnnLinear, "fp16": Fp16Linear}
+PACKED_LINEARS: dict[str, type[nn.Module]] = {
+    "onednn": OneDnnLinear,
+    "fp16": Fp16Linear,
+    "onednn+fp16": NarrowFp16Linear,
+}
 
 
 def pack_linears(module: nn.Module, backend: str = "onednn") -> int:
     """Replace every `nn.Linear` inside `module` by its `backend` form (`OneDnnLinear`,
-    `Fp16Linear`); returns how many."""
+    `Fp16Linear`, `NarrowFp16Linear`); returns how many."""
     packed = PACKED_LINEARS[backend]
     count = 0
     for name, child in list(module.named_children()):

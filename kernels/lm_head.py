@@ -10,11 +10,14 @@ Backends (all take a contiguous [N, H] input in the weight's dtype):
 - ``onednn``: oneDNN inner product on a weight reordered once into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``). Costs one extra copy of the weight.
 - ``numpy``:  OpenBLAS sgemm through numpy on a zero-copy view of the weight (fp32 only).
-- ``fp16``:   fbgemm's fp16 GEMM on an fp16 copy of an fp32 weight (`kernels.linear`'s fp16
-  layout: half the bytes, fp32 activations and accumulation, weights rounded to fp16). It
-  changes the weights, so only when named (never picked by ``auto`` or ``calibrate``). A plan
-  that names it may pair it with ``onednn`` only, whose copy then holds the same fp16-rounded
-  values: a row's logits keep one precision whatever the batch it rides in.
+- ``fp16``:   fbgemm's fp16 GEMM on an fp16 copy of the weight (`kernels.linear`'s fp16
+  layout: fp32 activations and accumulation). Of an fp32 weight it is half the bytes and
+  rounds the weights to fp16; of a bf16 weight it holds the same values (within fp16's
+  normal range) in a copy fbgemm streams faster than oneDNN's bf16 kernel at a few rows,
+  and its logits are rounded to bf16 as the bf16 products' are. Only when named (never
+  picked by ``auto`` or ``calibrate``). A plan that names it may pair it with ``onednn``
+  only, whose copy then holds the same values (fp16-rounded ones for an fp32 weight): a
+  row's logits keep one precision whatever the batch it rides in.
 - ``int8``, ``int4``: the weight quantized (``kernels.quant``: int8 per row, int4 per group
   of 32) and multiplied by torch's weight-only kernel with activations in
   ``quantized_activations`` (default: the weight's dtype); approximate, so only when asked
@@ -59,6 +62,14 @@ FP16_PLAN_BUCKETS = (16, 32)
 
 def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available())
+
+
+def narrow_fp16_plan() -> dict[int, str]:
+    """The head of an ``onednn+fp16`` (bf16) model: the fp16 copy for calls of up to
+    `kernels.linear.NARROW_ROWS` rows (nearest bucket: up to 5), oneDNN's bf16 beyond."""
+    from kernels.linear import NARROW_ROWS
+
+    return {NARROW_ROWS: "fp16", 2 * NARROW_ROWS: "onednn"}
 
 
 def fp16_plan() -> dict[int, str]:
@@ -125,7 +136,7 @@ class LmHead:
             else None
         )
         self._packed = (
-            self._pack_onednn(rounded_to_fp16="fp16" in named)
+            self._pack_onednn(rounded_to_fp16="fp16" in named and weight.dtype == torch.float32)
             if on_cpu and named & {"auto", "calibrate", "onednn"}
             else None
         )
@@ -246,7 +257,8 @@ class LmHead:
 
     def _fp16_kernel(self, rows: Tensor) -> Tensor:
         assert self._fp16 is not None
-        return torch.ops.quantized.linear_dynamic_fp16(rows, self._fp16)
+        logits = torch.ops.quantized.linear_dynamic_fp16(rows.float(), self._fp16)
+        return logits if self.weight.dtype == torch.float32 else logits.to(self.weight.dtype)
 
     def _quantized_kernel(self, rows: Tensor) -> Tensor:
         assert self._quantized is not None
@@ -276,12 +288,15 @@ class LmHead:
         """The weight in fp16, packed for fbgemm; where that cannot run, an error naming why."""
         from kernels.linear import check_fp16_range, fp16_linear_works
 
-        if self.weight.device.type != "cpu" or self.weight.dtype != torch.float32:
-            raise ValueError("the fp16 lm_head backend takes a float32 CPU weight")
+        if self.weight.device.type != "cpu" or self.weight.dtype not in (
+            torch.float32,
+            torch.bfloat16,
+        ):
+            raise ValueError("the fp16 lm_head backend takes a float32 or bfloat16 CPU weight")
         if not fp16_linear_works():
             raise ValueError("fbgemm's fp16 product does not run on this machine")
         check_fp16_range(self.weight, "the lm_head weight")
-        return torch.ops.quantized.linear_prepack_fp16(self.weight, None)
+        return torch.ops.quantized.linear_prepack_fp16(self.weight.float(), None)
 
     def _fixed_choice(self) -> str:
         return "onednn" if self._packed is not None else "aten"

@@ -118,14 +118,19 @@ def weight_bytes(
 ) -> WeightBytes:
     """What our modules hold for `config` with weights in `dtype_bytes` and `quantization`
     (none / int8 / int4). `linear`: the decoder linears' layout when exact ("fp16": fp16
-    copies of fp32 weights; "aten" / "onednn": the model dtype). `lm_head_onednn`: the exact
+    copies of fp32 weights; "onednn+fp16": the model dtype's and an fp16 copy; "aten" /
+    "onednn": the model dtype). `lm_head_onednn`: the exact
     LM head keeps a oneDNN-packed copy of its weight (the CPU's `LmHead`; with "fp16" linears
     it is the copy of the fp16-rounded values in fp32)."""
     if quantization == AS_STORED:
         return _as_stored_bytes(config, dtype_bytes, activation_bytes)
     c, d = config, dtype_bytes
     quantized = quantization != "none"
-    stored = 2 if linear == "fp16" and not quantized else d  # fp16-packed decoder linears
+    stored = d  # bytes a decoder weight is held in
+    if not quantized and linear == "fp16":
+        stored = 2  # fp16-packed
+    elif not quantized and linear == "onednn+fp16":
+        stored = d + 2  # the model dtype's packed copy and an fp16 one
 
     def lin(out_features: int, in_features: int) -> int:
         if quantized:
@@ -140,7 +145,9 @@ def weight_bytes(
         + lin(c.hidden, c.intermediate)
     )
     # biases (kept in the dtype, fp32 for fp16 linears): Qwen2 biases q/k/v only
-    bias_bytes = 4 if linear == "fp16" and not quantized else d
+    bias_bytes = d + (4 if linear in ("fp16", "onednn+fp16") and not quantized else 0)
+    if linear == "fp16" and not quantized:
+        bias_bytes = 4
     if c.attention_bias:
         layer += qkv_out * bias_bytes
         if c.arch != "qwen2":
@@ -158,6 +165,8 @@ def weight_bytes(
         head += linear_bytes(c.vocab, c.hidden, d, quantization, activation_bytes)
     elif linear == "fp16":
         head += table * 2 + (table * 4 if lm_head_onednn else 0)
+    elif linear == "onednn+fp16":
+        head += table * 2 + (table * d if lm_head_onednn else 0)
     elif lm_head_onednn:
         head += table * d
     return WeightBytes(embedding=embedding, decoder=decoder, lm_head=head)

@@ -42,7 +42,7 @@ class ModelExecutor:
         compile_steps: bool = False,
     ) -> None:
         from kernels.linear import choose_linear_backend, pack_linears
-        from kernels.lm_head import fp16_plan
+        from kernels.lm_head import fp16_plan, narrow_fp16_plan
 
         self.config = config
         self.model = model
@@ -66,7 +66,9 @@ class ModelExecutor:
             lm_head = LmHead(
                 model.lm_head_weight,
                 config.final_logit_softcap,
-                backend=fp16_plan() if self.linear == "fp16" else "auto",
+                backend={"fp16": fp16_plan, "onednn+fp16": narrow_fp16_plan}.get(
+                    self.linear, lambda: "auto"
+                )(),
             )
         self.lm_head = lm_head
         self.shape = AttentionShape.of(config)

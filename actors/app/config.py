@@ -45,10 +45,11 @@ class ModelSection(_Section):
     # decode steps as CUDA graphs per batch-size bucket (CUDA only; flashinfer or triton)
     cuda_graphs: bool = True
     # weight layout of the decoder linears and LM head (kernels/linear.py): auto = fp16 for
-    # an fp32 model on the CPU (fbgemm), oneDNN-packed for a bf16 model on a CPU with native
-    # bf16, else aten; aten = F.linear; onednn = oneDNN-packed;
-    # fp16 = fp16 weights, fp32 activations and accumulation (fp32 models on x86 CPUs)
-    linear: Literal["auto", "aten", "onednn", "fp16"] = "auto"
+    # an fp32 model on the CPU (fbgemm), onednn+fp16 for a bf16 model on a CPU with native
+    # bf16, else aten; aten = F.linear; onednn = oneDNN-packed; fp16 = fp16 weights, fp32
+    # activations and accumulation (fp32 models on x86 CPUs); onednn+fp16 = oneDNN-packed bf16
+    # plus fp16 copies for steps of at most 4 rows (bf16 models)
+    linear: Literal["auto", "aten", "onednn", "fp16", "onednn+fp16"] = "auto"
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
     # small steps (decode, draft verification, short extends) as one torch.compile graph
     # (kernels/compiled_step.py), compiled in the background while serving eagerly: auto =

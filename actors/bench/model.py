@@ -78,9 +78,14 @@ def step_read_bytes(model: torch.nn.Module, head) -> int:
     """Weight bytes a batch-1 decode step reads: every decoder layer's as loaded (packed,
     quantized or plain) and the LM head's in the form its batch-1 backend reads (the
     embedding table is gathered a row at a time, so it is not counted)."""
+    from kernels.linear import NarrowFp16Linear
     from kernels.memory_plan import measured_weight_bytes
 
     layers = sum(measured_weight_bytes(layer) for layer in model.layers)
+    # onednn+fp16 holds two copies; a narrow step reads the fp16 one only
+    layers -= sum(
+        m.wide.weight_bytes for m in model.layers.modules() if isinstance(m, NarrowFp16Linear)
+    )
     backend = head.backend_for(1)
     if backend == "fp16":
         head_bytes = head.vocab_size * head.hidden_size * 2
@@ -259,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument(
         "--linear",
-        choices=["auto", "aten", "onednn", "fp16"],
+        choices=["auto", "aten", "onednn", "fp16", "onednn+fp16"],
         default="auto",
         help="weight layout of the linears and LM head (model.linear; auto as the runner)",
     )

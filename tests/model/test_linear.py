@@ -1,5 +1,5 @@
-"""kernels/linear.py: stacked projections, oneDNN-packed and fp16 linears against F.linear,
-and the choice of layout."""
+"""kernels/linear.py: stacked projections, oneDNN-packed, fp16 and onednn+fp16 linears against
+F.linear, and the choice of layout."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from torch import nn
 from kernels.cpu import bf16_matmul_supported
 from kernels.linear import (
     FP16_MAX,
+    NARROW_ROWS,
     Fp16Linear,
+    NarrowFp16Linear,
     OneDnnLinear,
     choose_linear_backend,
     fits_fp16,
@@ -145,8 +147,18 @@ def test_auto_layout_fp16_for_fp32_models_onednn_for_bf16_on_native_bf16_cpus():
     assert choose_linear_backend("auto", cpu, torch.float16)[0] == "aten"
     # bf16: oneDNN-packed where the CPU multiplies bf16 natively (and oneDNN runs it)
     assert choose_linear_backend("auto", cpu, torch.bfloat16, native_bf16=False)[0] == "aten"
-    packed = "onednn" if onednn_linear_works(torch.bfloat16) else "aten"
+    packed = "aten"
+    if onednn_linear_works(torch.bfloat16):
+        packed = "onednn+fp16" if fp16_linear_works() else "onednn"
     assert choose_linear_backend("auto", cpu, torch.bfloat16, native_bf16=True)[0] == packed
+    if packed == "onednn+fp16":  # a weight fp16 cannot hold: the bf16 copy alone
+        huge = [torch.tensor([[1.0, 1e6]], dtype=torch.bfloat16)]
+        assert choose_linear_backend("auto", cpu, torch.bfloat16, huge, native_bf16=True) == (
+            "onednn",
+            "auto: bf16 model, a weight is beyond fp16's range",
+        )
+    with pytest.raises(ValueError, match="need a bf16 model"):
+        choose_linear_backend("onednn+fp16", cpu, torch.float32)
     backend, why = choose_linear_backend("auto", cpu, torch.float32)
     assert backend == ("fp16" if fp16_linear_works() else "aten"), why
     assert why.startswith("auto:")
@@ -218,3 +230,78 @@ def test_fp16_packing_survives_deepcopy_and_quantization():
     torch.testing.assert_close(clone(x), model(x), rtol=1e-5, atol=1e-5)
     assert quantize_linears(clone) == 2
     assert isinstance(clone[0], QuantizedLinear)
+
+
+needs_narrow_fp16 = pytest.mark.skipif(
+    not (fp16_linear_works() and onednn_linear_works(torch.bfloat16)),
+    reason="onednn+fp16 needs fbgemm's fp16 linear and oneDNN's bf16 one",
+)
+
+
+@needs_narrow_fp16
+@pytest.mark.parametrize("bias", [False, True])
+def test_narrow_fp16_linear_narrow_calls_take_the_fp16_copy_wide_ones_onednn(bias):
+    gen = torch.Generator().manual_seed(1)
+    linear = nn.Linear(640, 1536, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(1536, 640, generator=gen) / 25)
+        if bias:
+            linear.bias.copy_(torch.randn(1536, generator=gen))
+    wide_only = OneDnnLinear(copy.deepcopy(linear))
+    packed = NarrowFp16Linear(linear)
+    assert packed.weight_bytes == 2 * linear.weight.numel()
+    assert torch.equal(packed.weight, linear.weight)  # bf16 values held exactly
+    for rows in (1, 2, NARROW_ROWS, NARROW_ROWS + 1, 9):
+        x = torch.randn(rows, 640, generator=gen).to(torch.bfloat16)
+        got = packed(x)
+        assert got.shape == (rows, 1536) and got.dtype == torch.bfloat16
+        if rows > NARROW_ROWS:
+            assert torch.equal(got, wide_only(x))  # the oneDNN bf16 product itself
+            continue
+        # fp32 accumulation of the same values, rounded to bf16 once: the exact product's
+        # bf16 rounding, summation order apart
+        bias32 = None if linear.bias is None else linear.bias.float()
+        want = F.linear(x.float(), linear.weight.float(), bias32)
+        torch.testing.assert_close(
+            got.float(), want, rtol=8e-3, atol=1e-5 * float(want.abs().max())
+        )
+        assert (got.float() - want).abs().max() <= (want.abs().max() * 2**-8)
+    with pytest.raises(ValueError, match="bf16 layers"):
+        NarrowFp16Linear(nn.Linear(4, 2))
+    with torch.no_grad():
+        linear.weight[0, 0] = 1e6
+    with pytest.raises(ValueError, match="beyond fp16's range"):
+        NarrowFp16Linear(linear)
+
+
+@needs_narrow_fp16
+def test_narrow_fp16_packing_survives_deepcopy_and_quantization():
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4, bias=False))
+    model = model.to(torch.bfloat16)
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    want = model(x).float()
+    assert pack_linears(model, "onednn+fp16") == 2
+    assert all(isinstance(model[i], NarrowFp16Linear) for i in (0, 2))
+    assert (model(x).float() - want).abs().max() <= 2e-2 * want.abs().max()
+    clone = copy.deepcopy(model)
+    assert clone[0].packed is not model[0].packed
+    assert torch.equal(clone(x), model(x))
+    assert quantize_linears(clone) == 2
+    assert isinstance(clone[0], QuantizedLinear)
+
+
+@needs_narrow_fp16
+def test_narrow_fp16_linear_in_a_compiled_graph_takes_the_same_path_as_eager():
+    from kernels.compiled_step import compile_verified_here
+
+    if not compile_verified_here():
+        pytest.skip("compiled steps are verified on AVX-512 and AVX2 CPUs only")
+    torch._dynamo.reset()
+    linear = NarrowFp16Linear(nn.Linear(64, 48).to(torch.bfloat16))
+    compiled = torch.compile(lambda x: torch.relu(linear(x)) * 2, fullgraph=True, dynamic=True)
+    with torch.inference_mode():
+        for rows in (2, NARROW_ROWS, NARROW_ROWS + 2):  # one graph: rows are symbolic
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            got = compiled(x)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, torch.relu(linear(x)) * 2)

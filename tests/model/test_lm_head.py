@@ -8,7 +8,14 @@ import torch.nn.functional as F
 
 from kernels.cpu import bf16_matmul_supported
 from kernels.linear import fp16_linear_works
-from kernels.lm_head import BACKENDS, FP16_PLAN_BUCKETS, LmHead, fp16_plan, onednn_available
+from kernels.lm_head import (
+    BACKENDS,
+    FP16_PLAN_BUCKETS,
+    LmHead,
+    fp16_plan,
+    narrow_fp16_plan,
+    onednn_available,
+)
 
 VOCAB, HIDDEN = 4099, 64  # odd vocab: no backend may rely on a friendly multiple
 
@@ -36,7 +43,7 @@ def _available(weight: torch.Tensor) -> list[str]:
         names.append("onednn")
     if weight.dtype == torch.float32:
         names.append("numpy")
-    if weight.dtype == torch.float32 and fp16_linear_works():
+    if fp16_linear_works():
         names.append("fp16")
     return names
 
@@ -122,8 +129,6 @@ def test_bad_plans_and_fp16_refusals() -> None:
         LmHead(_weight(), backend={1: "aten", 8: "int8"})
     with pytest.raises(ValueError, match="pair it with onednn only"):
         LmHead(_weight(), backend={1: "fp16", 8: "aten"})
-    with pytest.raises(ValueError, match="float32 CPU weight"):
-        LmHead(_weight(torch.bfloat16), backend="fp16")
     if fp16_linear_works():
         huge = _weight()
         huge[3, 5] = 1e5
@@ -152,6 +157,28 @@ def test_bf16_weight_gives_float32_logits_close_to_fp32_product() -> None:
         head = LmHead(weight, backend=backend)
         # bf16 logits carry 8 mantissa bits: about 4e-3 of the largest logit.
         _assert_close_relative(head(hidden), reference, 1e-2)
+
+
+@pytest.mark.skipif(
+    not (bf16_matmul_supported() and fp16_linear_works() and onednn_available()),
+    reason="needs oneDNN's bf16 product and fbgemm's fp16 one",
+)
+def test_the_narrow_fp16_plan_of_a_bf16_weight_keeps_bf16_logits_at_every_batch_size() -> None:
+    weight = _weight(torch.bfloat16)
+    head = LmHead(weight, backend=narrow_fp16_plan())
+    assert head.plan == narrow_fp16_plan() == {4: "fp16", 8: "onednn"}
+    assert [head.backend_for(n) for n in (1, 4, 5, 6, 8, 32)] == ["fp16"] * 3 + ["onednn"] * 3
+    hidden = _hidden(9).bfloat16()
+    reference = F.linear(hidden.float(), weight.float())
+    wide = head(hidden)
+    for n in (1, 3):
+        narrow = head(hidden[:n])
+        # rounded to bf16 as the oneDNN product's logits are: one precision whatever the
+        # batch, the two differing by summation order (at most a bf16 step) only
+        assert torch.equal(narrow, narrow.bfloat16().float())
+        _assert_close_relative(narrow, reference[:n], 1e-2)
+        _assert_close_relative(narrow, wide[:n], 1e-2)
+    assert head._fp16 is not None and head._packed is not None
 
 
 def test_softcap_and_leading_dims() -> None:

@@ -116,8 +116,8 @@ def test_llama_8b_weights_in_each_mode():
 
 def test_gemma_weights_as_the_cpu_runner_holds_them():
     """Measured on a loaded engine with `measured_weight_bytes` (bf16 871,740,672; fp32
-    1,743,481,344; fp32 with fp16 linears 1,878,485,504; bf16 int8 604,471,552; bf16 int4
-    503,182,592): the estimate is exact."""
+    1,743,481,344; fp32 with fp16 linears 1,878,485,504; bf16 with onednn+fp16 linears
+    1,407,825,152; bf16 int8 604,471,552; bf16 int4 503,182,592): the estimate is exact."""
     bf16 = weight_bytes(GEMMA, 2, lm_head_onednn=True)  # + oneDNN's copy of the tied head
     assert (bf16.embedding, bf16.decoder, bf16.lm_head) == (
         2 * GEMMA_TABLE,
@@ -132,6 +132,11 @@ def test_gemma_weights_as_the_cpu_runner_holds_them():
     assert fp16.decoder == 2 * 18 * 5_570_560 + 4 * (18 * 3_072 + 640)
     assert fp16.lm_head == GEMMA_TABLE * (2 + 4)
     assert fp16.total == 1_878_485_504
+    # onednn+fp16 (a bf16 model): every decoder weight and the head also in fp16
+    both = weight_bytes(GEMMA, 2, linear="onednn+fp16", lm_head_onednn=True)
+    assert both.decoder == bf16.decoder + 2 * 18 * 5_570_560
+    assert both.lm_head == GEMMA_TABLE * (2 + 2)
+    assert both.total == 1_407_825_152  # measured on the embedded model, 2026-12-05
     # quantized: the tied head gets a quantized copy, no oneDNN copy
     assert weight_bytes(GEMMA, 2, "int8", lm_head_onednn=True).total == 604_471_552
     assert weight_bytes(GEMMA, 2, "int4", lm_head_onednn=True).total == 503_182_592
