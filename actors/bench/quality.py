@@ -2,7 +2,7 @@
 
 For each mode (`--modes fp32,fp16,bf16,int8,int4,gguf`: dtype, weight layout and
 quantization of the runner; fp16 is an fp32 model with fp16 weights (`model.linear =
-"fp16"`); int8, int4 and gguf (a quantized GGUF kept as stored: what `model.quantization =
+"fp16"`); bf16 has the weight layout `model.linear = "auto"` picks for it here; int8, int4 and gguf (a quantized GGUF kept as stored: what `model.quantization =
 "auto"` runs for one) run in the dtype `model.dtype = auto` picks here, their products with
 the activation dtype the runner's timing picks) it reports:
 
@@ -45,6 +45,8 @@ def build(mode: str, path: str | None, rows: int, capacity: int):
     config, model, head, _, why = load_for(path, dtype, quantization, require_faster=False)
     if mode == "fp16":
         return bare_executor(config, model, rows, capacity, validate=False, linear="fp16")
+    if mode == "bf16":  # the layout the runner's model.linear = auto picks for bf16 here
+        return bare_executor(config, model, rows, capacity, validate=False, linear="auto")
     if head is not None:
         print(f"{mode}: {why}", flush=True)
     return bare_executor(config, model, rows, capacity, lm_head=head, validate=False)

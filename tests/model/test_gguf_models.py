@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from kernels.config import RopeSpec, UnsupportedModelError
+from kernels.cpu import bf16_matmul_supported
 from kernels.gguf_archs import llama3_rope
 from kernels.gguf_loader import load_gguf_config, read_gguf_config
 from kernels.layers import rope_inv_freq
+from kernels.linear import choose_linear_backend
 from kernels.models import (
     PLAN_KINDS,
     load_config,
@@ -388,6 +390,10 @@ def test_bench_quality_builds_each_mode(ggufs):
         executor = build(mode, path, 1, 32)
         kinds[mode] = {m.kind for m in executor.model.modules() if isinstance(m, QuantizedLinear)}
     assert kinds == {"fp32": set(), "gguf": {"int4"}, "int8": {"int8"}}
+    assert build("fp32", path, 1, 32).linear == "aten"  # the exact path
+    if bf16_matmul_supported():  # bf16: the layout the runner's auto picks here
+        want = choose_linear_backend("auto", torch.device("cpu"), torch.bfloat16)[0]
+        assert build("bf16", path, 1, 32).linear == want
 
 
 @pytest.mark.parametrize(
