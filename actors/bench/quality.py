@@ -2,9 +2,10 @@
 
 For each mode (`--modes fp32,fp16,bf16,int8,int4,gguf`: dtype, weight layout and
 quantization of the runner; fp16 is an fp32 model with fp16 weights (`model.linear =
-"fp16"`); bf16 has the weight layout `model.linear = "auto"` picks for it here; int8, int4 and gguf (a quantized GGUF kept as stored: what `model.quantization =
-"auto"` runs for one) run in the dtype `model.dtype = auto` picks here, their products with
-the activation dtype the runner's timing picks) it reports:
+"fp16"`); bf16 has the weight layout `model.linear = "auto"` picks for it here; int8, int4
+and gguf (a quantized GGUF kept as stored: what `model.quantization = "auto"` runs for one)
+run in the dtype `model.dtype = auto` picks here, their products with the activation dtype
+the runner's timing picks) it reports:
 
 * perplexity of the model on a fixed English text (`--tokens` tokens in windows of
   `--window`, every position scored given the window before it; with `--llama-cpp-windows`
