@@ -23,7 +23,7 @@ two compiles serve every batch and context. Invariants the callers rely on:
 
 Compiled code is cached on disk (Inductor's FX graph cache) under `cache_root()`: one folder
 per torch version and CPU (capability and flags), so a restart traces the graph again but
-does not recompile it. The folder is set for every compile, whatever TORCHINDUCTOR_CACHE_DIR
+does not recompile it. The folder is set when compiling, whatever TORCHINDUCTOR_CACHE_DIR
 held: Inductor's own cache key omits the vector ISA it generated code for, so a shared folder
 served AVX-512 code, built with AVX2 flags, to an AVX2 process (wrong logits, not an error).
 """
@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
+import threading
 import time
 import types
 from dataclasses import dataclass
@@ -51,6 +53,7 @@ COMPILE_MODES = ("auto", "on", "off")
 # against the products as rows grow (`bin/engine bench model --compile` measures it).
 DEFAULT_MAX_TOKENS = 32
 _INSTANCES = itertools.count(1)
+_CACHE_FOLDER_LOCK = threading.Lock()
 
 
 # CPU capabilities (torch's dispatch level) the compiled steps are verified on; others
@@ -90,6 +93,20 @@ def compile_choice(
     if dtype == torch.float32 and linear == "aten":
         return False, "auto: the exact path (float32, aten linears) stays eager"
     return True, "auto: CPU, not the exact path"
+
+
+def use_cache_root() -> None:
+    """Point Inductor at `cache_root()` for the rest of the process. Not setdefault:
+    Inductor writes its default folder into the environment the first time anything asks
+    for it; and not only while compiling: two executors compiling at once must not see
+    the folder restored under them (see the module doc)."""
+    root = str(cache_root())
+    with _CACHE_FOLDER_LOCK:
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != root:
+            from torch._inductor.utils import clear_caches
+
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = root
+            clear_caches()  # paths memoized from the previous folder
 
 
 def cache_root() -> Path:
@@ -208,14 +225,12 @@ class CompiledStep:
         call from a background thread while the executor serves eagerly: until `ready`,
         nothing routes to the graph. A failure leaves eager serving as it was."""
         import torch._dynamo
-        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
         start = time.perf_counter()
         torch.set_num_threads(self.threads)  # this thread's own count (see __init__)
         try:
-            # Not setdefault: Inductor writes its default folder into the environment the
-            # first time anything asks for it (see the module doc).
-            with torch.inference_mode(), temporary_cache_dir(str(cache_root())):
+            use_cache_root()
+            with torch.inference_mode():
                 compiled = torch.compile(self._own_body(), fullgraph=True)
                 # rows symbolic (>= 2), then one row: a graph of its own (see the module doc)
                 for rows in (3, 1):

@@ -145,9 +145,7 @@ def weight_bytes(
         + lin(c.hidden, c.intermediate)
     )
     # biases (kept in the dtype, fp32 for fp16 linears): Qwen2 biases q/k/v only
-    bias_bytes = d + (4 if linear in ("fp16", "onednn+fp16") and not quantized else 0)
-    if linear == "fp16" and not quantized:
-        bias_bytes = 4
+    bias_bytes = 4 if linear == "fp16" and not quantized else d
     if c.attention_bias:
         layer += qkv_out * bias_bytes
         if c.arch != "qwen2":

@@ -9,6 +9,7 @@ graph, writing the same slots, and compares logits and the K/V written.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -215,6 +216,8 @@ def test_compiled_code_is_cached_per_capability_whatever_inductor_chose(executor
     assert torch.backends.cpu.get_cpu_capability() in root.name
     assert any((root / "fxgraph").rglob("*")), "no graph in the kvactor cache"
     assert not any(decoy.rglob("*")), "Inductor wrote to the folder it had chosen itself"
+    # and it stays so: another executor compiling meanwhile must not see it restored
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root)
 
 
 def test_wide_steps_stay_eager_and_a_would_be_recompile_runs_eagerly(executor):
