@@ -38,6 +38,16 @@ TINY_COMMON = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+# A Gemma 3 with a sliding window of 8 (shorter than the tests' contexts) and soft-capping.
+TINY_GEMMA3_WINDOW8 = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=1,
+    head_dim=16,
+    sliding_window=8,
+    query_pre_attn_scalar=24,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    final_logit_softcapping=30.0,
+)
 
 
 def shared_lm_head(config: ModelConfig, model: torch.nn.Module) -> LmHead:

@@ -28,7 +28,7 @@ from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import KVCache, ReqToTokenTable
 from kernels.model_executor import ModelExecutor
 from kernels.models import load_model
-from tests.model.model_fixtures import TINY_COMMON, TINY_VOCAB
+from tests.model.model_fixtures import TINY_COMMON, TINY_GEMMA3_WINDOW8, TINY_VOCAB
 
 PAGE = 4
 ROWS = 4
@@ -41,16 +41,7 @@ def _hf_config(name: str):
     from transformers import Gemma3TextConfig, LlamaConfig
 
     if name == "gemma3":
-        return Gemma3TextConfig(
-            **COMMON,
-            num_hidden_layers=3,
-            num_key_value_heads=1,
-            head_dim=16,
-            sliding_window=8,
-            query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            final_logit_softcapping=30.0,
-        )
+        return Gemma3TextConfig(**COMMON, **TINY_GEMMA3_WINDOW8)
     return LlamaConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
 
 

@@ -21,6 +21,7 @@ from kernels.kv_cache import KVCache, ReqToTokenTable
 from kernels.models import load_model
 from tests.model.model_fixtures import (
     TINY_COMMON,
+    TINY_GEMMA3_WINDOW8,
     TINY_VOCAB,
     GreedyRunner,
     make_executor,
@@ -68,13 +69,7 @@ def _configs():
         ),
         "gemma3_window8": Gemma3TextConfig(
             **COMMON,
-            num_hidden_layers=3,
-            num_key_value_heads=1,
-            head_dim=16,
-            sliding_window=8,
-            query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            final_logit_softcapping=30.0,
+            **TINY_GEMMA3_WINDOW8,
             rope_parameters={
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
