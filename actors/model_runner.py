@@ -32,7 +32,16 @@ from kernels.compiled_step import cache_root as compile_cache_root
 from kernels.cuda_graphs import GRAPH_BACKENDS, graph_max_pages
 from kernels.grammar import ByteLRU
 from kernels.host_memory import keep_freed_memory
+from transport.messages.control import Ack
 from transport.messages.runner import ForwardBatchMsg, GrammarLoaded, LoadGrammar, StepResultMsg
+from transport.messages.tiers import (
+    KvDrop,
+    KvLoad,
+    KvSave,
+    KvSaved,
+    KvStoreContents,
+    KvStoreQuery,
+)
 
 GRAMMAR_CACHE_BYTES = 256 << 20
 
@@ -42,7 +51,7 @@ class RegisterFailed(Exception):
 
 
 class ModelRunnerActor(Actor):
-    inbox = ForwardBatchMsg | LoadGrammar
+    inbox = ForwardBatchMsg | LoadGrammar | KvSave | KvLoad | KvDrop | KvStoreQuery
 
     def __init__(
         self,
@@ -111,6 +120,7 @@ class ModelRunnerActor(Actor):
         self._grammar_cache = ByteLRU(grammar_cache_bytes)
         self.executor = None
         self.sampler = None
+        self.kv_store = None  # kernels.kv_store.HostKvStore: the host tier's bytes
         self.steps = 0
         self.forward_s = 0.0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner-torch")
@@ -147,11 +157,13 @@ class ModelRunnerActor(Actor):
         # another in a process pile up).
         self.executor = None
         self.sampler = None
+        self.kv_store = None
         gc.collect()
 
     def _load(self) -> None:
         from kernels.attention import make_attention_backend
         from kernels.kv_cache import KVCache, ReqToTokenTable
+        from kernels.kv_store import HostKvStore
         from kernels.memory_plan import measured_weight_bytes
         from kernels.model_executor import ModelExecutor
         from kernels.models import load_for
@@ -176,6 +188,7 @@ class ModelRunnerActor(Actor):
             sliding_layers=config.sliding_layers,
             swa_num_pages=self.swa_num_pages,
         )
+        self.kv_store = HostKvStore(kv)
         table = ReqToTokenTable(self.max_rows + 1, self.row_capacity, device=self.device)
         options = (
             {} if self.attention_name == "torch" else {"device": self.device, "dtype": self.dtype}
@@ -263,7 +276,30 @@ class ModelRunnerActor(Actor):
     async def handle(self, msg, sender):
         if isinstance(msg, LoadGrammar):
             return await self._load_grammar(msg)
-        return await self._on_worker(self._step, msg)
+        if isinstance(msg, ForwardBatchMsg):
+            return await self._on_worker(self._step, msg)
+        # Tier moves run on the worker too, so they never overlap a step's forward.
+        return await self._on_worker(self._tier_move, msg)
+
+    def _tier_move(self, msg):
+        store = self.kv_store
+        if isinstance(msg, KvSave):
+            nbytes = store.save(msg.handle, np.asarray(msg.full_slots), np.asarray(msg.swa_slots))
+            return KvSaved(handle=msg.handle, nbytes=nbytes)
+        if isinstance(msg, KvLoad):
+            store.load(
+                msg.handle,
+                msg.start,
+                np.asarray(msg.full_slots),
+                np.asarray(msg.swa_index),
+                np.asarray(msg.swa_slots),
+            )
+            return Ack()
+        if isinstance(msg, KvDrop):
+            store.drop(list(msg.handles))
+            return Ack()
+        sizes = store.sizes()
+        return KvStoreContents(handles=list(sizes), nbytes=list(sizes.values()))
 
     async def _load_grammar(self, msg: LoadGrammar):
         """Keep a compiled grammar by key. A query (no data) is answered at once; a load is

@@ -10,7 +10,8 @@ Turn protocol (the tokenizer drives it):
   BeginTurn (before submitting)  ->  one turn per session, else ERR_SESSION_BUSY (HTTP 409)
   EndTurn (after the request's final report; the scheduler has already settled its KV)
 Close or idle timeout releases the slot (`CloseSlots` to the allocator); a close while a
-turn runs takes effect when that turn ends.
+turn runs takes effect when that turn ends. An offload (a client's hint between turns) has
+the allocator move the slot's KV out of the pool now, to the host tier when there is one.
 
 Session ids are never logged nor echoed in refusals: a log line holds `_tag(id)`, a short
 hash that names a session across lines without letting anyone address it.
@@ -29,6 +30,8 @@ from actors.runtime import Actor
 from transport.messages.alloc import (
     CloseSlots,
     CloseSlotsReply,
+    OffloadSlot,
+    OffloadSlotReply,
     OpenSlot,
     SlotStats,
     SlotStatsRequest,
@@ -44,6 +47,7 @@ from transport.messages.sessions import (
     CloseSession,
     EndTurn,
     GetSession,
+    OffloadSession,
     OpenSession,
     SessionInfo,
 )
@@ -62,7 +66,7 @@ class Session:
 
 
 class SessionsActor(Actor):
-    inbox = OpenSession | GetSession | CloseSession | BeginTurn | EndTurn
+    inbox = OpenSession | GetSession | CloseSession | OffloadSession | BeginTurn | EndTurn
 
     def __init__(
         self,
@@ -99,6 +103,20 @@ class SessionsActor(Actor):
         if s is None or s.close_pending:
             return ErrorReply(code=ERR_SESSION_NOT_FOUND, message=_NOT_FOUND)
         if isinstance(msg, GetSession):
+            return await self._info(s)
+        if isinstance(msg, OffloadSession):
+            if s.busy_rid is not None:
+                return ErrorReply(
+                    code=ERR_SESSION_BUSY,
+                    message="the session is running a turn; offload it when the turn ends",
+                )
+            reply = await self.alloc.call(OffloadSlot(session_id=s.id), expect=OffloadSlotReply)
+            self.log.info(
+                "session offloaded",
+                session=_tag(s.id),
+                pages=reply.pages,
+                stored=reply.stored_tokens,
+            )
             return await self._info(s)
         if isinstance(msg, CloseSession):
             if s.busy_rid is not None:

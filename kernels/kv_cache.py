@@ -130,6 +130,31 @@ class KVCache:
         k_all.index_copy_(0, slots, k.to(self.dtype))
         v_all.index_copy_(0, slots, v.to(self.dtype))
 
+    def read_slots(self, full_slots: np.ndarray, swa_slots: np.ndarray) -> list[Tensor]:
+        """Copies of the K/V at these slots, for a host store: [k_full, v_full] of shape
+        [full layers, len(full_slots), heads, dim], then (split pools) [k_swa, v_swa] at the
+        sliding pool's `swa_slots` (physical sliding slots, not full ones)."""
+        out = []
+        for which, slots in enumerate((full_slots, swa_slots)[: len(self._k)]):
+            idx = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.device)
+            for t in (self._k[which], self._v[which]):
+                out.append(t.index_select(1, idx).to("cpu", copy=True))
+        return out
+
+    def write_slots(
+        self, parts: Sequence[Tensor], full_slots: np.ndarray, swa_slots: np.ndarray
+    ) -> None:
+        """The inverse of `read_slots`: `parts` ([k_full, v_full(, k_swa, v_swa)], on the host,
+        one entry per slot given) written at `full_slots` and the sliding `swa_slots`."""
+        for which, slots in enumerate((full_slots, swa_slots)[: len(self._k)]):
+            idx = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.device)
+            if idx.numel() == 0:
+                continue
+            for t, part in zip((self._k[which], self._v[which]), parts[2 * which : 2 * which + 2]):
+                if part.shape[1] != idx.numel():
+                    raise ValueError(f"{part.shape[1]} saved positions for {idx.numel()} slots")
+                t.index_copy_(1, idx, part.to(self.device, self.dtype))
+
     def paged(self, layer: int) -> tuple[Tensor, Tensor]:
         """K and V of `layer` viewed as [pages, page_size, num_kv_heads, head_dim]."""
         k_all, v_all = self.layer_kv(layer)

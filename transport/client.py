@@ -241,6 +241,11 @@ class KvactorClient:
         """Close it; its KV is released (when a turn runs, at the end of that turn)."""
         return await self._session("close", session_id=session_id)
 
+    async def offload_session(self, session_id: str) -> ClientSessionInfo:
+        """Move its KV out of the server's pool now (to the host tier, when the server has
+        one), e.g. before a long tool call; its next turn loads it back."""
+        return await self._session("offload", session_id=session_id)
+
     async def _session(self, op: str, **fields) -> ClientSessionInfo:
         if self._socket is None:
             raise RuntimeError("KvactorClient is not open; use `async with`")

@@ -13,9 +13,11 @@ import numpy as np
 
 from actors.allocator.ledger import KvLedger, SlotDelta, SwaMapDelta
 from actors.allocator.remote_port import RemotePrefixPort
+from actors.allocator.tier_port import RemoteTierPort
 from actors.runtime import Actor
 from kvcore import InvariantViolation, PagePool, ReqToTokenTable, SwaPages
 from kvcore.req_kv_info import enable_write_guard
+from kvcore.tiers import HostTier
 from transport.messages.alloc import (
     AllocDecode,
     AllocDecodeReply,
@@ -33,6 +35,8 @@ from transport.messages.alloc import (
     IdleCheckReply,
     KvStats,
     KvStatsRequest,
+    OffloadSlot,
+    OffloadSlotReply,
     OpenSlot,
     ReleaseBatch,
     ReleaseKind,
@@ -79,6 +83,7 @@ class AllocatorActor(Actor):
         | OpenSlot
         | CloseSlots
         | SlotStatsRequest
+        | OffloadSlot
     )
 
     def __init__(
@@ -94,6 +99,8 @@ class AllocatorActor(Actor):
         swa_free_step: int = 64,
         swa_free_prompt: bool = False,
         session_max_pages: int | None = None,
+        host_tier_bytes: int = 0,
+        runner: str = "runner",
     ) -> None:
         self.pool = PagePool(num_pages, page_size)
         self.table = ReqToTokenTable(max_rows, row_capacity)
@@ -109,6 +116,9 @@ class AllocatorActor(Actor):
         self.radix_name = radix
         self.debug_checks = debug_checks
         self.session_max_pages = session_max_pages
+        # The host tier below the pool (0: none); its bytes live in the runner's store.
+        self.host_tier_bytes = host_tier_bytes
+        self.runner_name = runner
         if debug_checks:
             enable_write_guard()  # a record written outside the ledger raises
         self.ledger: KvLedger | None = None
@@ -131,6 +141,8 @@ class AllocatorActor(Actor):
             swa_free_step=self.swa_free_step,
             swa_free_prompt=self.swa_free_prompt,
             session_max_pages=self.session_max_pages,
+            tiers=RemoteTierPort(self.ref(self.runner_name)) if self.host_tier_bytes else None,
+            host=HostTier(self.host_tier_bytes) if self.host_tier_bytes else None,
         )
 
     async def handle(self, msg, sender):
@@ -164,6 +176,9 @@ class AllocatorActor(Actor):
             reply = None
         elif isinstance(msg, CloseSlots):
             reply = CloseSlotsReply(pages=await ledger.close_slots(list(msg.session_ids)))
+        elif isinstance(msg, OffloadSlot):
+            pages, stored = await ledger.offload_slot(msg.session_id)
+            reply = OffloadSlotReply(pages=pages, stored_tokens=stored)
         elif isinstance(msg, SlotStatsRequest):
             return SlotStats(held_tokens=ledger.slot_tokens(msg.session_id))
         elif isinstance(msg, DropCache):
@@ -242,7 +257,7 @@ class AllocatorActor(Actor):
     async def _idle_check(self) -> IdleCheckReply:
         """Always on (it only counts); with debug checks a failure also raises."""
         self.idle_checks += 1
-        problems = await self.ledger.idle_problems()
+        problems = await self.ledger.idle_problems(audit_store=True)
         if problems:
             self.idle_check_failures += 1
             self.log.error("KV not balanced at idle", problems=problems)
@@ -291,6 +306,15 @@ class AllocatorActor(Actor):
             swa_keeps_prompt=self.swa is not None and not self.swa_free_prompt,
             session_reclaims=c.session_reclaims,
             tree_heals=c.tree_heals,
+            session_demotes=c.session_demotes,
+            session_promotes=c.session_promotes,
+            promoted_tokens=c.promoted_tokens,
+            tier_drops=c.tier_drops,
+            tier_failures=c.tier_failures,
+            host_tier_budget=self.host_tier_bytes,
+            host_tier_bytes=ledger.host.used if ledger.host is not None else 0,
+            host_tier_entries=len(ledger.host.entries) if ledger.host is not None else 0,
+            stored_tokens=ledger.stored_tokens(),
         )
 
     def stats(self) -> dict[str, int | float]:

@@ -31,6 +31,16 @@ least recently used idle slot is released to the prefix tree (its pages become c
 evictable KV; its next turn prefills what the tree no longer holds). A request never waits
 behind idle sessions.
 
+The host tier (with `tiers` and `host`): reclaiming an idle slot first demotes it. Its
+history's KV is copied out of the pool under a new handle (`TierEntry`, owned by the slot:
+the slot then holds no record, no row and no page), and the slot's pages go to the tree as
+before. The session's next turn promotes it: the admission matches the prefix tree as any
+request does, loads the positions the tree lacks from the entry into the pages it reserves,
+and computes only the new tokens; the entry is dropped either way (the KV is in the pool
+again, or the conversation diverged). The tier's entries fit its byte budget, least
+recently used dropped first (that session prefills what the tree lost). A failed copy falls
+back to the pool-only behaviour: a failed save keeps nothing, a failed load prefills.
+
 Prefix-cache namespaces: a request's `cache_salt` turns its token ids into keys of their
 own (`kvcore.salt`) before anything compares them for reuse (the tree, session slots).
 
@@ -61,6 +71,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actors.allocator.prefix_port import PrefixPort
+from actors.allocator.tier_port import TierPort
 from kvcore import (
     KvSnapshot,
     PagePool,
@@ -77,6 +88,14 @@ from kvcore import (
 )
 from kvcore.req_kv_info import ledger_writes
 from kvcore.salt import salted_tokens
+from kvcore.tiers import (
+    HostTier,
+    Promotion,
+    TierEntry,
+    TierViolation,
+    check_tiers,
+    plan_promotion,
+)
 
 
 def _ledger_op(fn):
@@ -145,6 +164,7 @@ class SessionSlot:
     turn: int | None = None  # the request running this session's current turn
     close_pending: bool = False  # closed during a turn: released when the turn ends
     last_used: int = 0  # ledger clock at the last save or restore (LRU reclaim order)
+    stored: int | None = None  # the handle of its KV in the host tier (then `rec` is None)
 
 
 @dataclass(slots=True)
@@ -160,6 +180,11 @@ class LedgerCounters:
     swa_freed_pages: int = 0  # sliding pages freed because the window had passed them
     session_reclaims: int = 0  # idle session slots released to the tree (cap or pressure)
     tree_heals: int = 0  # dead tree pages replaced by a request's live ones
+    session_demotes: int = 0  # idle session slots copied to the host tier
+    session_promotes: int = 0  # session turns that loaded their history from the host tier
+    promoted_tokens: int = 0  # positions loaded from the host tier
+    tier_drops: int = 0  # host-tier entries dropped to fit its budget
+    tier_failures: int = 0  # saves or loads the runner failed (fell back to prefill)
 
 
 @dataclass
@@ -184,12 +209,18 @@ class KvLedger:
     swa_free_prompt: bool = False
     # Own pages idle session slots may pin together (None: no cap besides the pool).
     session_max_pages: int | None = None
+    # The host tier below the pool (None: an idle slot's KV only goes to the tree).
+    tiers: TierPort | None = None
+    host: HostTier | None = None
+    entry_session: dict[int, str] = field(default_factory=dict)  # handle -> its session
     counters: LedgerCounters = field(default_factory=LedgerCounters)
     salts: dict[int, str] = field(default_factory=dict)  # rid -> its cache_salt (if any)
     # full pages unmapped from the sliding pool and not yet sent to the runner
     _unmapped: list[np.ndarray] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
     _restoring: str | None = None  # the session whose slot an admission is moving now
+    _promoting: int | None = None  # the entry an admission is loading now (never dropped)
+    _handles: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     @property
     def page_size(self) -> int:
@@ -263,6 +294,7 @@ class KvLedger:
         need_row = admitting and self.table.num_free_rows == 0
         if need_row and not self._idle_slots():
             return None
+        promotion: Promotion | None = None
         if admitting:
             if self.tree is not None and total > 1 and match_prefix:
                 match = await self.tree.match_and_lock(tokens[: total - 1])
@@ -275,22 +307,41 @@ class KvLedger:
                 if match.length:
                     cached, node, prefix_slots = match.length, match.node_id, match.slots
             start = cached
+            if session:
+                promotion = await self._plan_promotion(session, tokens, cached, match_prefix)
+                if promotion is not None:
+                    start = promotion.length  # [cached, start) is loaded, not computed
         else:
             start = rec.kv_committed_len
         end = min(total, start + budget)
+        alloc_from = cached if admitting else start  # new slots from here
         row_tail = None if admitting else self._last_slot(rec)
-        if need_row:
-            # An idle session gives up its row only for an admission that then fits.
-            if await self._shortfall(self._pages_for(start, end, open_page=False)):
-                if node is not None:
-                    await self.tree.unlock(node)
-                return None
-            await self._reclaim_session()
-        new_slots = await self._reserve_slots(start, end, row_tail, deltas)
+        self._promoting = self.slots[session].stored if promotion is not None else None
+        try:
+            if need_row:
+                # An idle session gives up its row only for an admission that then fits.
+                if await self._shortfall(self._pages_for(alloc_from, end, open_page=False)):
+                    if node is not None:
+                        await self.tree.unlock(node)
+                    return None
+                await self._reclaim_session()
+            new_slots = await self._reserve_slots(alloc_from, end, row_tail, deltas)
+        finally:
+            self._promoting = None
         if new_slots is None:
             if node is not None:
                 await self.tree.unlock(node)
             return None
+        if promotion is not None and not await self._load_entry(
+            session, cached, promotion, new_slots
+        ):
+            # The load failed: compute those positions instead, within the budget.
+            keep_end = min(end, cached + budget)
+            extra = new_slots[ceil_page(keep_end - cached, self.page_size) :]
+            if extra.size:
+                self._free_pages(pages_of_slots(extra, self.page_size))
+            new_slots = new_slots[: keep_end - cached]
+            promotion, start, end = None, cached, keep_end
         if admitting:
             # The record exists only once the request holds something (a refusal leaves none).
             if rec is None:
@@ -299,7 +350,11 @@ class KvLedger:
             assert row is not None  # a row was free, or an idle session gave its own back
             rec.req_pool_idx = row
             rec.cache_protected_len = cached
-            if self.swa is not None and not self.swa_free_prompt:
+            if promotion is not None and promotion.dead_to > promotion.dead_from:
+                # The loaded history's freed sliding range, as its record had it.
+                rec.swa_evict_floor = promotion.dead_from
+                rec.swa_evicted_seqlen = promotion.dead_to
+            elif self.swa is not None and not self.swa_free_prompt:
                 rec.swa_evict_floor = total
             if cached:
                 self.table.write(row, 0, prefix_slots)
@@ -310,12 +365,12 @@ class KvLedger:
             if session:
                 self._start_turn(rid, session)
         row = rec.req_pool_idx
-        self.table.write(row, start, new_slots)
-        deltas.append(SlotDelta(row, start, new_slots))
+        self.table.write(row, alloc_from, new_slots)
+        deltas.append(SlotDelta(row, alloc_from, new_slots))
         rec.kv_allocated_len = end
         rec.kv_committed_len = end
         self._free_window(rec, first_query=start)
-        return ExtendGrant(rid, row, cached, start, end)
+        return ExtendGrant(rid, row, start if admitting else 0, start, end)
 
     async def _restore(
         self,
@@ -689,6 +744,8 @@ class KvLedger:
                 slot.close_pending = True
                 continue
             pages += await self._release_slot_kv(sid, slot, cache=True)
+            if slot.stored is not None:
+                await self._drop_entry(slot.stored)
             del self.slots[sid]
         return pages
 
@@ -704,10 +761,31 @@ class KvLedger:
         slot.tokens = np.zeros(0, dtype=np.int64)
         return pages
 
-    def slot_tokens(self, sid: str) -> int:
-        """Tokens whose KV session `sid` holds now (0: none, or no such slot)."""
+    @_ledger_op
+    async def offload_slot(self, sid: str) -> tuple[int, int]:
+        """A client's hint: move this idle session's KV out of the pool now (demoted to the
+        host tier when there is one; its pages freed, not cached). (pages freed, positions
+        stored). An empty slot, or one whose turn runs, gives (0, 0); nothing changes."""
         slot = self.slots.get(sid)
-        return slot.rec.kv_committed_len if slot is not None and slot.rec is not None else 0
+        if slot is None or slot.rec is None or slot.turn is not None:
+            return 0, 0
+        await self._demote(sid, slot)
+        pages = await self._release_slot_kv(sid, slot, cache=self.host is None)
+        stored = self.host.entries[slot.stored].length if slot.stored is not None else 0
+        await self._fit_host_tier()
+        if slot.stored is None:
+            stored = 0  # the tier could not keep it
+        return pages, stored
+
+    def slot_tokens(self, sid: str) -> int:
+        """Tokens whose KV session `sid` holds now, in the pool or the host tier (0: none,
+        or no such slot)."""
+        slot = self.slots.get(sid)
+        if slot is None:
+            return 0
+        if slot.stored is not None:
+            return self.host.entries[slot.stored].length
+        return slot.rec.kv_committed_len if slot.rec is not None else 0
 
     def session_pages(self) -> int:
         """Pages pinned by session slots (their own pages, not the tree prefix they lock)."""
@@ -725,15 +803,133 @@ class KvLedger:
 
     async def _reclaim_session(self) -> bool:
         """Release the least recently used idle slot to the prefix tree (its committed whole
-        pages become cached, evictable KV; the session stays open, its next turn prefills
-        what the tree lost). False: no idle slot."""
+        pages become cached, evictable KV; the session stays open), demoting its KV to the
+        host tier first when there is one; its next turn loads or prefills what the tree
+        lost. False: no idle slot."""
         idle = self._idle_slots()
         if not idle:
             return False
         sid, slot = idle[0]
+        await self._demote(sid, slot)
         await self._release_slot_kv(sid, slot, cache=True)
         self.counters.session_reclaims += 1
+        await self._fit_host_tier()
         return True
+
+    # ---- the host tier (module docstring) ------------------------------------------------
+    async def _demote(self, sid: str, slot: SessionSlot) -> None:
+        """Copy the idle slot's history (positions [0, committed): the full layers' KV, and
+        the sliding layers' for the last window) to the host tier under a new handle the slot
+        owns.
+        The caller then releases the slot's pool KV. A failed copy keeps nothing."""
+        rec = slot.rec
+        n = rec.kv_committed_len
+        if self.host is None or n == 0:
+            return
+        ps = self.page_size
+        slots = self.table.read(rec.req_pool_idx, 0, n)
+        alive = self._alive(slots)
+        swa_slots = _NO_PAGES
+        if alive is not None:
+            # Sliding KV only for the window the next turn's queries read: a turn that
+            # continues the conversation needs no more, one that diverges earlier prefills.
+            alive = alive.copy()
+            alive[: floor_page(max(n - self.window, 0), ps) // ps] = False
+            swa_slots = self._sliding_slots(slots[np.flatnonzero(np.repeat(alive, ps)[:n])])
+        handle = next(self._handles)
+        try:
+            nbytes = await self.tiers.save(handle, slots, swa_slots)
+        except Exception:  # the runner could not copy: the KV goes to the tree alone
+            self.counters.tier_failures += 1
+            return
+        entry = TierEntry(handle, slot.tokens.copy(), alive, nbytes, next(self._clock))
+        self.host.add(entry)
+        self.entry_session[handle] = sid
+        slot.stored = handle
+        self.counters.session_demotes += 1
+
+    async def _plan_promotion(
+        self, session: str, tokens: np.ndarray, cached: int, match_prefix: bool
+    ) -> Promotion | None:
+        """What this admission loads from its session's host-tier entry; an entry it cannot
+        use (the conversation diverged, or every token must be computed) is dropped."""
+        slot = self.slots.get(session)
+        if slot is None or slot.stored is None:
+            return None
+        entry = self.host.entries[slot.stored]
+        plan = None
+        if match_prefix and len(tokens) > 1:
+            prefix = common_prefix_len(entry.tokens, tokens[: len(tokens) - 1])
+            plan = plan_promotion(entry, prefix, cached, self.window, self.page_size)
+        if plan is None:
+            await self._drop_entry(slot.stored)
+        return plan
+
+    async def _load_entry(
+        self, session: str, cached: int, plan: Promotion, new_slots: np.ndarray
+    ) -> bool:
+        """Write the entry's positions [cached, plan.length) at the first of `new_slots`
+        (reserved from `cached`); the entry is dropped whatever happens. False: the load
+        failed (nothing valid was written; the caller computes those positions)."""
+        ps = self.page_size
+        handle = self.slots[session].stored
+        entry = self.host.entries[handle]
+        swa_index = swa_slots = _NO_PAGES
+        if entry.alive is not None:
+            saved = entry.saved_swa_positions(ps)
+            lo, hi = np.searchsorted(saved, [cached, plan.length])
+            swa_index = np.arange(lo, hi, dtype=np.int64)
+            swa_slots = self._sliding_slots(new_slots[saved[lo:hi] - cached])
+        full = new_slots[: plan.length - cached]
+        try:
+            await self.tiers.load(handle, cached, full, swa_index, swa_slots)
+            loaded = True
+        except Exception:  # the runner could not copy: prefill instead
+            self.counters.tier_failures += 1
+            loaded = False
+        await self._drop_entry(handle)
+        if not loaded:
+            return False
+        if plan.dead_to > plan.dead_from:
+            # Pages whose sliding KV the history had lost stay without it in the pool too.
+            self._unmap(new_slots[plan.dead_from - cached : plan.dead_to - cached : ps] // ps)
+        self.counters.session_promotes += 1
+        self.counters.promoted_tokens += plan.length - cached
+        return True
+
+    async def _drop_entry(self, handle: int) -> None:
+        """Forget a host-tier entry (its session's slot names nothing after it) and have the
+        store free its bytes."""
+        self.host.remove(handle)
+        slot = self.slots.get(self.entry_session.pop(handle))
+        if slot is not None and slot.stored == handle:
+            slot.stored = None
+        try:
+            await self.tiers.drop([handle])
+        except Exception:  # a lost store (restarted runner) holds nothing; the audit tells
+            self.counters.tier_failures += 1
+
+    async def _fit_host_tier(self) -> None:
+        """Drop host-tier entries, least recently used first, until the tier fits its budget
+        (never the one an admission is loading now)."""
+        if self.host is None:
+            return
+        while self.host.over_budget():
+            victims = [h for h in self.host.least_recent() if h != self._promoting]
+            if not victims:
+                return
+            await self._drop_entry(victims[0])
+            self.counters.tier_drops += 1
+
+    def _sliding_slots(self, full_slots: np.ndarray) -> np.ndarray:
+        """The sliding pool's slots of these full slots (their pages are mapped)."""
+        ps = self.page_size
+        full_slots = np.asarray(full_slots, dtype=np.int64)
+        return self.swa.map[full_slots // ps] * ps + full_slots % ps
+
+    def stored_tokens(self) -> int:
+        """Positions whose KV the host tier holds."""
+        return sum(e.length for e in self.host.entries.values()) if self.host else 0
 
     async def _cap_sessions(self) -> None:
         """Release idle slots, least recently used first, until they pin at most
@@ -769,14 +965,19 @@ class KvLedger:
             swa_free_pages=self.swa.pool.free_pages() if self.swa is not None else None,
             swa_total_pages=self.swa.num_pages if self.swa is not None else 0,
             swa_window=self.window if self.swa is not None else 0,
+            host_tier=self.host,
+            session_entries={
+                sid: s.stored for sid, s in self.slots.items() if s.stored is not None
+            },
         )
 
     async def check(self) -> None:
         check_invariants(await self.snapshot())
 
-    async def idle_problems(self) -> list[str]:
+    async def idle_problems(self, audit_store: bool = False) -> list[str]:
         """The cheap conservation check of an idle engine (no request holds anything; only
-        session slots may): what is wrong, naming the owners, or []."""
+        session slots may, in the pool or the host tier): what is wrong, naming the owners,
+        or []. `audit_store`: the runner's store must hold exactly the tier's entries."""
         evictable = protected = 0
         if self.tree is not None:
             evictable, protected = await self.tree.sizes()
@@ -801,6 +1002,8 @@ class KvLedger:
         )
         if self.swa is not None:
             problems += swa_idle_problems(self.swa, self.pool.free_pages())
+        if self.host is not None:
+            problems += await self._tier_problems(audit_store)
         if problems and self.records:
             owners = {
                 rid: (rec.req_pool_idx, rec.kv_allocated_len)
@@ -808,6 +1011,21 @@ class KvLedger:
             }
             problems.append(f"records (rid: row, allocated): {owners}")
         return problems
+
+    async def _tier_problems(self, audit_store: bool) -> list[str]:
+        store = None
+        if audit_store:
+            try:
+                store = await self.tiers.contents()
+            except Exception as exc:  # reported, not raised: the check names what is wrong
+                return [f"the runner's KV store did not answer the audit: {exc}"]
+        entries = {sid: s.stored for sid, s in self.slots.items() if s.stored is not None}
+        with_records = {sid for sid, s in self.slots.items() if s.rec is not None}
+        try:
+            check_tiers(self.host, entries, with_records, store)
+        except TierViolation as exc:
+            return [str(exc)]
+        return []
 
     @_ledger_op
     async def drop_cache(self) -> int:
@@ -820,6 +1038,8 @@ class KvLedger:
         dropped = 0
         for sid, slot in self.slots.items():
             dropped += await self._release_slot_kv(sid, slot, cache=False)
+        for handle in list(self.host.entries) if self.host is not None else []:
+            await self._drop_entry(handle)
         if self.tree is None:
             return dropped
         freed = await self.tree.evict(self.pool.num_pages)

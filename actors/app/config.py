@@ -87,6 +87,11 @@ class KvSection(_Section):
     # prefix stays reusable); true: prompts too (least memory; prefix hits cut to where
     # their last window is intact)
     swa_free_prompt: bool = False
+    # The host tier below the pool: an idle session's KV, demoted when sessions pin more
+    # than sessions.max_pinned_share of the pool or a request needs its pages, is copied to
+    # host memory (at most this many bytes, least recently used dropped first) and loaded
+    # back when its next turn arrives, instead of prefilled. 0 = no host tier.
+    host_tier_bytes: int = 1 << 30
 
 
 class SchedulerSection(_Section):
@@ -113,9 +118,9 @@ class SpeculativeSection(_Section):
 
 
 class SessionsSection(_Section):
-    # open streaming sessions at most (each may pin a row and pages); also at most
-    # kv.max_rows - scheduler.max_running_requests, so sessions never starve requests of rows
-    max_sessions: int = 16
+    # open streaming sessions at most; without a host tier (kv.host_tier_bytes = 0) also at
+    # most kv.max_rows - scheduler.max_running_requests (each idle one may keep a row)
+    max_sessions: int = 1024
     default_ttl_s: float = 300.0  # a session idle this long closes itself (its KV released)
     max_ttl_s: float = 3600.0  # the longest idle timeout a client may ask for
     # Share of kv.num_pages idle sessions may pin between turns. Past it, and whenever a
@@ -221,6 +226,7 @@ class EngineConfig(_Section):
                 "kv.max_rows must be >= scheduler.max_running_requests",
             ),
             (self.sessions.max_sessions >= 0, "sessions.max_sessions must be >= 0"),
+            (self.kv.host_tier_bytes >= 0, "kv.host_tier_bytes must be >= 0"),
             (
                 0.0 <= self.sessions.max_pinned_share <= 1.0,
                 "sessions.max_pinned_share must be in [0, 1]",

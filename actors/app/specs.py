@@ -35,7 +35,11 @@ CORE_ACTORS = ("tokenizer", "scheduler", "allocator", "runner", "sessions")  # +
 
 
 def session_limit(cfg: EngineConfig) -> int:
-    """Open sessions at most: each idle one may hold a row, and running requests need theirs."""
+    """Open sessions at most. With a host tier, `sessions.max_sessions`: an idle session
+    holding a row gives it back (its KV demoted) when a request needs one. Without one, also
+    the rows running requests leave spare, so idle sessions' KV is never dropped for rows."""
+    if cfg.kv.host_tier_bytes:
+        return max(cfg.sessions.max_sessions, 0)
     spare_rows = cfg.kv.max_rows - cfg.scheduler.max_running_requests
     return max(min(cfg.sessions.max_sessions, spare_rows), 0)
 
@@ -270,6 +274,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 swa_free_step=kv.swa_free_step,
                 swa_free_prompt=kv.swa_free_prompt,
                 session_max_pages=int(cfg.sessions.max_pinned_share * num_pages),
+                host_tier_bytes=kv.host_tier_bytes,
             ),
             group=group("allocator", "main"),
         ),

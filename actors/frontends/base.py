@@ -46,7 +46,13 @@ from transport.messages.engine import (
     TokenizerInfo,
     TokenizerInfoRequest,
 )
-from transport.messages.sessions import CloseSession, GetSession, OpenSession, SessionInfo
+from transport.messages.sessions import (
+    CloseSession,
+    GetSession,
+    OffloadSession,
+    OpenSession,
+    SessionInfo,
+)
 
 ERR_ENGINE_STOPPED = "engine_stopped"  # the engine stopped (or its runner failed) mid-request
 
@@ -273,6 +279,12 @@ class EngineClient:
         """Close it and release its KV (at the end of a running turn, if one runs)."""
         name = engine_session_id(key, session_id)
         return await self._session_call(CloseSession(session_id=name), session_id)
+
+    async def offload_session(self, session_id: str, key: str = "") -> SessionInfo:
+        """Move its KV out of the pool now (to the host tier, when the engine has one): the
+        client knows the session will idle (a long tool call); its next turn loads it back."""
+        name = engine_session_id(key, session_id)
+        return await self._session_call(OffloadSession(session_id=name), session_id)
 
     async def _session_call(self, msg, session_id: str) -> SessionInfo:
         """The sessions actor's answer to `msg`, naming the session by the client's id."""

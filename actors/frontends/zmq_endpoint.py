@@ -328,6 +328,8 @@ class ZmqEndpointActor(FrontendActor):
                 info = await self.client.open_session(msg.ttl_s, msg.max_tokens, key)
             elif msg.op == "get":
                 info = await self.client.get_session(msg.session_id, key)
+            elif msg.op == "offload":
+                info = await self.client.offload_session(msg.session_id, key)
             else:
                 info = await self.client.close_session(msg.session_id, key)
         except GenerationError as exc:

@@ -18,8 +18,17 @@ import anyio
 import numpy as np
 
 from actors.runtime import Actor
+from transport.messages.control import Ack
 from transport.messages.engine import TokenBatch
 from transport.messages.runner import ForwardBatchMsg, StepResultMsg
+from transport.messages.tiers import (
+    KvDrop,
+    KvLoad,
+    KvSave,
+    KvSaved,
+    KvStoreContents,
+    KvStoreQuery,
+)
 
 
 def next_token(tokens: list[int]) -> int:
@@ -30,7 +39,10 @@ def next_token(tokens: list[int]) -> int:
 
 
 class FakeRunner(Actor):
-    inbox = ForwardBatchMsg
+    """Checks every forward's rows against the tokens it wrote; keeps a host tier's store of
+    (token, position) per saved slot, as the real runner keeps K/V (one pool)."""
+
+    inbox = ForwardBatchMsg | KvSave | KvLoad | KvDrop | KvStoreQuery
 
     def __init__(self, num_slots: int, max_rows: int, row_capacity: int, page_size: int = 1):
         self.page_size = page_size
@@ -45,6 +57,8 @@ class FakeRunner(Actor):
         self.release = anyio.Event()  # set by the test to let it finish
         self.crash_at_step: int | None = None  # crash the actor during this step's forward
         self.starts = 0
+        self.store: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # handle -> tokens, positions
+        self.loads = 0
 
     async def on_start(self) -> None:
         self.starts += 1
@@ -52,7 +66,9 @@ class FakeRunner(Actor):
     async def _crash(self) -> None:
         raise RuntimeError("injected runner crash")
 
-    async def handle(self, msg: ForwardBatchMsg, sender):
+    async def handle(self, msg, sender):
+        if not isinstance(msg, ForwardBatchMsg):
+            return self._tier(msg)
         self.batches.append(msg)
         if self.crash_at_step is not None and msg.step == self.crash_at_step:
             self.crash_at_step = None
@@ -93,6 +109,27 @@ class FakeRunner(Actor):
                 rids.append(rid)
                 toks.append(tok)
         return StepResultMsg(step=msg.step, rids=rids, tokens=toks)
+
+    def _tier(self, msg):
+        if isinstance(msg, KvSave):
+            slots = np.asarray(msg.full_slots, dtype=np.int64)
+            self.store[msg.handle] = (self.slot_token[slots].copy(), self.slot_pos[slots].copy())
+            return KvSaved(handle=msg.handle, nbytes=16 * len(slots))
+        if isinstance(msg, KvLoad):
+            tokens, positions = self.store[msg.handle]
+            slots = np.asarray(msg.full_slots, dtype=np.int64)
+            end = msg.start + len(slots)
+            self.slot_token[slots] = tokens[msg.start : end]
+            self.slot_pos[slots] = positions[msg.start : end]
+            self.loads += 1
+            return Ack()
+        if isinstance(msg, KvDrop):
+            for h in msg.handles:
+                self.store.pop(h, None)
+            return Ack()
+        return KvStoreContents(
+            handles=list(self.store), nbytes=[16 * len(t) for t, _ in self.store.values()]
+        )
 
 
 class SinkTokenizer(Actor):

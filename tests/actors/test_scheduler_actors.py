@@ -33,7 +33,7 @@ EOS = 5
 
 
 class Harness:
-    def __init__(self, num_pages, page_size, rows=32, capacity=256, **sched):
+    def __init__(self, num_pages, page_size, rows=32, capacity=256, alloc=None, **sched):
         self.runner = FakeRunner((num_pages + 1) * page_size, rows, capacity, page_size)
         self.sink = SinkTokenizer()
         kv = dict(num_pages=num_pages, page_size=page_size, max_rows=rows, row_capacity=capacity)
@@ -42,7 +42,9 @@ class Harness:
         self.specs = [
             ActorSpec("radix", "actors.radix_cache:RadixCacheActor", {"page_size": page_size}),
             ActorSpec(
-                "allocator", "actors.allocator.actor:AllocatorActor", {**kv, "debug_checks": True}
+                "allocator",
+                "actors.allocator.actor:AllocatorActor",
+                {**kv, "debug_checks": True, **(alloc or {})},
             ),
             ActorSpec("scheduler", "actors.scheduler.actor:SchedulerActor", sched_kw),
             ActorSpec("runner", lambda: self.runner),

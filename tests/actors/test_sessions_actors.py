@@ -32,6 +32,7 @@ from transport.messages.sessions import (
     CloseSession,
     EndTurn,
     GetSession,
+    OffloadSession,
     OpenSession,
     SessionInfo,
 )
@@ -176,6 +177,71 @@ def test_eight_sessions_interleaved_with_plain_requests_on_a_small_pool():
                 await h.sessions.call(CloseSession(session_id=sid), expect=SessionInfo)
             kv = await h.settled()
             assert kv.session_pages == 0 and kv.held_rows == 0
+
+    anyio.run(go)
+
+
+def test_sessions_demoted_to_the_host_tier_load_their_history_back():
+    """No pool share for idle sessions: every finished turn is demoted to the runner's host
+    store, and every next turn loads it back (the fake runner checks each forward's rows
+    against the tokens it wrote, loaded ones included), interleaved with plain traffic that
+    evicts the tree. Outputs equal the same conversations without a session."""
+
+    async def go():
+        rng = random.Random(3)
+        tier = {"host_tier_bytes": 1 << 20, "session_max_pages": 0}
+        async with SessionHarness(num_pages=64, rows=24, alloc=tier) as h:
+            sids = [await h.open() for _ in range(4)]
+            histories = {sid: [] for sid in sids}
+
+            async def conversation(i, sid):
+                for k in range(3):
+                    prompt = histories[sid] + rand_tokens(rng, rng.randrange(3, 12))
+                    rid, out = await h.turn(sid, prompt)
+                    if histories[sid]:
+                        assert h.sink.cached[rid] == len(histories[sid]) - 1
+                    await h.plain({7000 + 10 * i + k: prompt})
+                    assert h.sink.outputs[7000 + 10 * i + k] == out
+                    histories[sid] = prompt + out
+                    await h.plain({8000 + 10 * i + k: rand_tokens(rng, 50)})
+
+            async with anyio.create_task_group() as tg:
+                for i, sid in enumerate(sids):
+                    tg.start_soon(conversation, i, sid)
+            kv = await h.settled()
+            assert kv.session_pages == 0 and kv.host_tier_entries == 4
+            assert kv.session_demotes == 12 and kv.session_promotes == 8, kv
+            assert h.runner.loads == 8 and len(h.runner.store) == 4
+            assert kv.idle_check_failures == 0 and kv.tier_failures == 0
+            info = await h.sessions.call(OffloadSession(session_id=sids[0]), expect=SessionInfo)
+            assert info.held_tokens == len(histories[sids[0]]) - 1  # already in the tier
+            for sid in sids:
+                await h.sessions.call(CloseSession(session_id=sid), expect=SessionInfo)
+            kv = await h.settled()
+            assert kv.host_tier_entries == 0 and h.runner.store == {}
+
+    anyio.run(go)
+
+
+def test_an_offload_hint_moves_the_kv_and_waits_for_a_running_turn():
+    async def go():
+        async with SessionHarness(num_pages=64, alloc={"host_tier_bytes": 1 << 20}) as h:
+            sid = await h.open()
+            prompt = list(range(200, 230))
+            _, out = await h.turn(sid, prompt)
+            assert (await h.kv()).session_pages == 9  # 35 positions
+            info = await h.sessions.call(OffloadSession(session_id=sid), expect=SessionInfo)
+            assert info.held_tokens == 35
+            kv = await h.settled()
+            assert kv.session_pages == 0 and kv.host_tier_entries == 1 and kv.stored_tokens == 35
+            begin = BeginTurn(session_id=sid, rid=5, prompt_tokens=40, max_new_tokens=6)
+            assert (await h.sessions.call(begin, expect=BeginTurnReply)).ok
+            with pytest.raises(RemoteError) as busy:
+                await h.sessions.call(OffloadSession(session_id=sid), expect=SessionInfo)
+            assert busy.value.reply.code == ERR_SESSION_BUSY
+            await h.sessions.send(EndTurn(session_id=sid, rid=5, ok=False, total_tokens=0))
+            rid, _ = await h.turn(sid, prompt + out + [7, 8, 9])
+            assert h.sink.cached[rid] == 35 and h.runner.loads == 1
 
     anyio.run(go)
 

@@ -130,6 +130,45 @@ async def test_abort_mid_turn_then_continue_gives_the_right_output(engine, token
 
 
 @pytest.mark.anyio
+async def test_sessions_demoted_to_the_host_tier_continue_exactly(tokenizer, hf_model):
+    """Idle sessions get no share of the pool (every finished turn is demoted to the host
+    tier at once) and other traffic evicts the prefix tree between turns: each next turn
+    loads its history from the host tier, answers as HF does, and reports the history
+    cached; the tier and the runner's store agree at every idle check."""
+    cfg = small_config(kv__num_pages=96, sessions__max_pinned_share=0.0)
+    params = GenerationParams(max_tokens=12, temperature=0.0)
+    filler = tokenizer.encode(natural_text(), add_special_tokens=False)
+    async with ServingEngine(cfg) as eng:
+        client = eng.client
+        sid = (await client.open_session()).session_id
+        messages: list[ChatMessage] = []
+        previous = 0
+        for k, question in enumerate(QUESTIONS[:3]):
+            messages.append(ChatMessage(role="user", content=question))
+            ids = (await client.tokenize(messages=messages)).tokens
+            res = await client.complete(params, messages=list(messages), session_id=sid)
+            assert res.token_ids == hf_greedy(hf_model, ids, 12, tokenizer.eos_ids), f"turn {k}"
+            assert res.cached_tokens >= previous, f"turn {k}: the history was prefilled"
+            previous = res.prompt_tokens
+            messages.append(ChatMessage(role="assistant", content=res.text))
+            for j in range(4):  # 4 new 500-token prompts (128 pages): the tree loses the turn
+                start = 100 * k + 500 * j
+                await client.complete(
+                    GenerationParams(max_tokens=1), prompt_ids=filler[start : start + 500]
+                )
+        kv = await settled(eng)
+        assert kv.session_pages == 0 and kv.session_demotes == 3 and kv.session_promotes == 2
+        # The tree held none of the history: what was cached came from the host tier.
+        assert kv.promoted_tokens >= previous - 16, kv
+        assert kv.host_tier_entries == 1 and 0 < kv.host_tier_bytes <= kv.host_tier_budget
+        assert kv.stored_tokens == (await client.get_session(sid)).held_tokens > previous
+        assert kv.idle_checks > 0 and kv.idle_check_failures == 0 and kv.tier_failures == 0
+        await client.close_session(sid)
+        kv = await settled(eng)
+        assert kv.host_tier_entries == 0 and kv.host_tier_bytes == 0
+
+
+@pytest.mark.anyio
 async def test_session_refusals(engine):
     client = engine.client
     with pytest.raises(GenerationError) as unknown:
@@ -189,6 +228,28 @@ def test_http_sessions_with_the_openai_client(server):
         assert metrics['kvactor:kv_pages{state="session"}'] > 0
         assert metrics["kvactor:session_reclaims_total"] == 0  # nothing pressed it out
 
+        # A client's hint before a long tool call: the KV leaves the pool for the host tier.
+        off = httpx.post(f"{base}/v1/sessions/{sid}/offload", headers=server.auth)
+        assert off.status_code == 200, off.text
+        assert off.json()["held_tokens"] == got["held_tokens"]  # held, in the host tier
+        metrics = scrape_metrics(server)
+        assert metrics["kvactor:sessions_in_host_tier"] == 1
+        assert metrics['kvactor:kv_host_tier_bytes{kind="used"}'] > 0
+        assert metrics['kvactor:kv_pages{state="session"}'] == 0
+        for bad in (f"/v1/sessions/{'x' * 24}/offload", f"/v1/sessions/{sid}/later"):
+            assert httpx.post(f"{base}{bad}", headers=server.auth).status_code == 404
+        messages.append({"role": "assistant", "content": two.choices[0].message.content})
+        messages.append({"role": "user", "content": "And one nut."})
+        three = oa.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            extra_body={"session_id": sid},
+        )
+        assert three.usage.prompt_tokens_details.cached_tokens >= two.usage.prompt_tokens
+        assert scrape_metrics(server)["kvactor:session_promotes_total"] >= 1
+
         # One turn at a time: a second one while the first streams gets 409.
         stream = oa.chat.completions.create(
             model=MODEL_NAME,
@@ -242,6 +303,10 @@ async def test_zmq_sessions(server):
         assert second.usage.cached_tokens >= first.usage.prompt_tokens
         got = await client.get_session(sid)
         assert got.turns == 2 and got.held_tokens > 0
+        offloaded = await client.offload_session(sid)
+        assert offloaded.held_tokens == got.held_tokens  # in the host tier now
+        third = await client.complete(prompt=prompt2 + second.text, params=params, session_id=sid)
+        assert third.usage.cached_tokens >= second.usage.prompt_tokens
         closed = await client.close_session(sid)
         assert closed.closed
         with pytest.raises(KvactorError) as gone:

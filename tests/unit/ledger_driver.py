@@ -113,3 +113,48 @@ class RequestViews:
             or not self._rec(r).is_held
             or self._rec(r).kv_committed_len < len(self.tokens[r])
         ]
+
+
+class FakeTierPort:
+    """The runner's host store over a `FakeKv`: a save copies the tokens and positions the
+    slots hold, a load writes them back at the slots given (so a wrong slot, position or
+    sliding entry shows as foreign KV). Sizes: 8 bytes per saved full position and per saved
+    sliding position. `fail` names the operations that raise, as a runner that cannot copy."""
+
+    def __init__(self, kv: FakeKv) -> None:
+        self.kv = kv
+        self.entries: dict[int, tuple[list[np.ndarray], int]] = {}
+        self.fail: set[str] = set()
+        self.loads: list[tuple[int, int, int]] = []  # (handle, start, positions) per load
+
+    async def save(self, handle: int, full_slots: np.ndarray, swa_slots: np.ndarray) -> int:
+        if "save" in self.fail:
+            raise RuntimeError("save failed")
+        kv = self.kv
+        full, swa = np.asarray(full_slots), np.asarray(swa_slots, dtype=np.int64)
+        parts = [kv.token[full].copy(), kv.pos[full].copy()]
+        parts += [kv.swa_token[swa].copy(), kv.swa_pos[swa].copy()]
+        nbytes = 8 * (len(full) + len(swa))
+        self.entries[handle] = (parts, nbytes)
+        return nbytes
+
+    async def load(self, handle, start, full_slots, swa_index, swa_slots) -> None:
+        if "load" in self.fail:
+            raise RuntimeError("load failed")
+        parts, _ = self.entries[handle]
+        kv, full = self.kv, np.asarray(full_slots)
+        kv.token[full] = parts[0][start : start + len(full)]
+        kv.pos[full] = parts[1][start : start + len(full)]
+        index, swa = np.asarray(swa_index, dtype=np.int64), np.asarray(swa_slots, dtype=np.int64)
+        kv.swa_token[swa] = parts[2][index]
+        kv.swa_pos[swa] = parts[3][index]
+        self.loads.append((handle, start, len(full)))
+
+    async def drop(self, handles: list[int]) -> None:
+        if "drop" in self.fail:
+            raise RuntimeError("drop failed")
+        for h in handles:
+            self.entries.pop(h, None)
+
+    async def contents(self) -> dict[int, int]:
+        return {h: nbytes for h, (_, nbytes) in self.entries.items()}

@@ -125,6 +125,21 @@ SWA_MUTANTS = {
         "swa_short = pages - returning - self.swa.num_free if self.swa is not None else 0",
         "swa_short = 0",
     ),
+    # the host tier (the machines draw one in half their runs)
+    "a demoted session keeps its pool KV too": (
+        "        await self._demote(sid, slot)\n"
+        "        await self._release_slot_kv(sid, slot, cache=True)\n",
+        "        await self._demote(sid, slot)\n        if slot.stored is None:\n"
+        "            await self._release_slot_kv(sid, slot, cache=True)\n",
+    ),
+    "a promotion writes the sliding KV one slot off": (
+        "swa_slots = self._sliding_slots(new_slots[saved[lo:hi] - cached])",
+        "swa_slots = self._sliding_slots(new_slots[saved[lo:hi] - cached]) + 1",
+    ),
+    "a promotion loads the entry's positions from the start, not from the tree's end": (
+        "await self.tiers.load(handle, cached, full, swa_index, swa_slots)",
+        "await self.tiers.load(handle, 0, full, swa_index, swa_slots)",
+    ),
 }
 
 MACHINES = (LedgerMachine, LedgerMachinePage4, LedgerMachinePage16)

@@ -43,10 +43,19 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from actors.allocator.ledger import KvLedger
 from kvcore import InvariantViolation, SwaPages, check_invariants, floor_page
-from tests.unit.ledger_driver import FakeKv, RequestViews, is_map_delta, make_ledger, run_sync
+from kvcore.tiers import HostTier
+from tests.unit.ledger_driver import (
+    FakeKv,
+    FakeTierPort,
+    RequestViews,
+    is_map_delta,
+    make_ledger,
+    run_sync,
+)
 from tests.unit.test_ledger_properties import BASES, SETTINGS
 
 SESSIONS = ("s0", "s1")
+TIERS = ("off", "pressure", "off", "demote")  # host tier below the pool (FakeTierPort); off twice
 MODES = ("keep_prompt", "free_prompt", "keep_prompt", "off")  # the default mode twice
 LOGPROBS = st.sampled_from([False, False, False, True])  # prompt logprobs: no prefix match
 SUFFIX = st.lists(st.integers(0, 50), min_size=1, max_size=12)
@@ -67,8 +76,9 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
         mode=st.sampled_from(MODES),
         window=st.integers(2, 12),
         step=st.integers(1, 4),
+        tier=st.sampled_from(TIERS),
     )
-    def setup(self, pages, swa_share, rows, mode, window, step):
+    def setup(self, pages, swa_share, rows, mode, window, step, tier):
         ps = self.page_size
         num_pages = pages if ps == 1 else 4 + pages // 6
         num_swa = max(2, int(num_pages * swa_share))
@@ -84,6 +94,12 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
             self.ledger.swa_free_step = step * self.step_unit
             self.ledger.swa_free_prompt = mode == "free_prompt"
         self.kv = FakeKv(self.ledger.pool.num_slots, ps, num_swa if mode != "off" else 0)
+        if tier != "off":
+            # A host tier below the pool; every idle session is demoted at once ("demote"),
+            # or under pressure only ("pressure"), into a tier that holds about one.
+            self.ledger.tiers = FakeTierPort(self.kv)
+            self.ledger.host = HostTier(8 * 2 * self.capacity)
+            self.ledger.session_max_pages = 0 if tier == "demote" else None
         self.tokens: dict[int, np.ndarray] = {}  # live requests' known tokens
         self.match: dict[int, bool] = {}  # False: prompt logprobs (match_prefix=False)
         self.session: dict[int, str] = {}  # rid -> its session ("" for none)
@@ -645,6 +661,8 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
         if not hasattr(self, "ledger"):
             return
         run_sync(self.ledger.check())
+        if self.ledger.host is not None:
+            assert run_sync(self.ledger._tier_problems(audit_store=True)) == []
         holding = set(self._held())
         assert set(self.ledger.records) == holding | self.retracted, (
             f"records {sorted(self.ledger.records)} but requests holding KV or retracted "

@@ -60,7 +60,9 @@ OWNER_SITES: dict[tuple[str, str, str], int] = {
     # chunked prefill: finished pages move into the tree
     ("actors/allocator/ledger.py", "KvLedger.cache_unfinished", "cache_protected_len"): 1,
     # the prompt keeps its sliding KV (unless kv.swa_free_prompt)
-    ("actors/allocator/ledger.py", "KvLedger.alloc_extend", "swa_evict_floor"): 1,
+    # an admission's floor: the prompt's length, or a promoted history's freed range (tiers)
+    ("actors/allocator/ledger.py", "KvLedger.alloc_extend", "swa_evict_floor"): 2,
+    ("actors/allocator/ledger.py", "KvLedger.alloc_extend", "swa_evicted_seqlen"): 1,
     ("actors/allocator/ledger.py", "KvLedger._restore", "swa_evict_floor"): 1,
     # admission of a session's turn on the session's record: trimmed, then extended
     ("actors/allocator/ledger.py", "KvLedger._restore", "kv_allocated_len"): 1,

@@ -137,6 +137,15 @@ class KvStats(Message):
     swa_keeps_prompt: bool = False
     session_reclaims: int = 0  # idle session slots released to the tree (cap or pressure)
     tree_heals: int = 0  # dead (window-freed) tree pages replaced by live ones
+    session_demotes: int = 0  # idle sessions' KV copied to the host tier
+    session_promotes: int = 0  # session turns that loaded their history from it
+    promoted_tokens: int = 0  # positions loaded from it (not prefilled)
+    tier_drops: int = 0  # host-tier entries dropped to fit its budget
+    tier_failures: int = 0  # copies the runner failed (the turn prefilled instead)
+    host_tier_budget: int = 0  # bytes (0: no host tier)
+    host_tier_bytes: int = 0
+    host_tier_entries: int = 0
+    stored_tokens: int = 0  # positions whose KV the host tier holds
 
 
 class OpenSlot(Message):
@@ -153,6 +162,17 @@ class CloseSlots(Message):
 
 class CloseSlotsReply(Message):
     pages: int  # pages the released slots held
+
+
+class OffloadSlot(Message):
+    """Sessions -> allocator: demote this idle session's KV out of the pool now."""
+
+    session_id: str
+
+
+class OffloadSlotReply(Message):
+    pages: int  # pool pages the slot gave back
+    stored_tokens: int  # positions the host tier holds for it now (0: no tier, or failed)
 
 
 class SlotStatsRequest(Message):

@@ -28,8 +28,9 @@ Client -> engine
                 unique among that client's live requests.
 `ClientAbort`   end a live request. The engine answers with a final `ClientChunk` whose
                 `finish_reason` is "abort" (unknown ids are ignored).
-`ClientSession` open (`op="open"`, optional `ttl_s`, `max_tokens`), inspect (`"get"`) or
-                close (`"close"`) a streaming session; answered by one `ClientSessionInfo`
+`ClientSession` open (`op="open"`, optional `ttl_s`, `max_tokens`), inspect (`"get"`),
+                close (`"close"`) or offload (`"offload"`: its KV to the host tier now) a
+                streaming session; answered by one `ClientSessionInfo`
                 (or a `ClientError`) naming the frame's `request_id`. A `ClientSubmit` with
                 `session_id` is a turn of that session: its prompt is the whole
                 conversation, and the KV the session kept from the last turn serves the
@@ -102,8 +103,8 @@ class ClientAbort(Message):
 
 class ClientSession(Message):
     request_id: str
-    op: Literal["open", "get", "close"]
-    session_id: str = ""  # get, close
+    op: Literal["open", "get", "close", "offload"]
+    session_id: str = ""  # get, close, offload
     ttl_s: float = 0.0  # open: idle timeout in seconds; 0: the server's default
     max_tokens: int = 0  # open: tokens the conversation may reach; 0: the context length
     api_key: str | None = None

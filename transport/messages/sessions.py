@@ -45,6 +45,13 @@ class CloseSession(Message):
     session_id: str
 
 
+class OffloadSession(Message):
+    """Move an idle session's KV out of the pool now (to the host tier, if there is one);
+    its next turn loads it back."""
+
+    session_id: str
+
+
 class BeginTurn(Message):
     """Tokenizer -> sessions before a session request is submitted: one turn at a time."""
 

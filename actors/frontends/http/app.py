@@ -195,7 +195,11 @@ class GatewayApp:
                 Route("/v1/sessions", {"POST": self._open_session}, "sessions"),
                 Route(
                     "/v1/sessions/",
-                    {"GET": self._get_session, "DELETE": self._close_session},
+                    {
+                        "GET": self._get_session,
+                        "DELETE": self._close_session,
+                        "POST": self._session_action,
+                    },
                     "sessions",
                     prefix=True,
                 ),
@@ -466,6 +470,12 @@ class GatewayApp:
     async def _close_session(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = scope.get("kvactor.api_key", "")
         await self._session_reply(send, self.client.close_session(_session_id(scope), key))
+
+    async def _session_action(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """POST /v1/sessions/{id}/offload: move the session's KV out of the pool now."""
+        key = scope.get("kvactor.api_key", "")
+        session_id = path_id(scope, "/v1/sessions/", suffix="/offload")
+        await self._session_reply(send, self.client.offload_session(session_id, key))
 
     async def _session_reply(self, send: Send, pending: Awaitable) -> None:
         try:

@@ -184,11 +184,14 @@ async def _drain(receive: Receive, already: int) -> bool:
     return False
 
 
-def path_id(scope: Scope, prefix: str) -> str:
-    """The object id that ends a path under `prefix` (`/v1/sessions/{id}`); 404 when it is
-    empty or has more segments."""
+def path_id(scope: Scope, prefix: str, suffix: str = "") -> str:
+    """The object id that ends a path under `prefix` (`/v1/sessions/{id}`), or that comes
+    before `suffix` (`/v1/sessions/{id}/offload`); 404 when it is empty or has more
+    segments."""
     path = scope["path"]
     rest = path[len(prefix) :]
+    if suffix:
+        rest = rest.removesuffix(suffix) if rest.endswith(suffix) else ""
     if not rest or "/" in rest:
         shown = path if len(path) <= 200 else f"{path[:200]}... ({len(path)} characters)"
         raise ApiError(404, f"no route {shown}", type=NOT_FOUND, code="not_found")

@@ -286,6 +286,45 @@ class EngineCollector(Collector):
                 m,
                 kv.session_reclaims,
             )
+            if kv.host_tier_budget:
+                host = GaugeMetricFamily(
+                    f"{OWN}kv_host_tier_bytes",
+                    "Host tier below the pool: bytes held by idle sessions' KV, and its budget",
+                    labels=["model_name", "kind"],
+                )
+                host.add_metric([m, "used"], kv.host_tier_bytes)
+                host.add_metric([m, "budget"], kv.host_tier_budget)
+                yield host
+                yield _gauge(
+                    f"{OWN}sessions_in_host_tier",
+                    "Streaming sessions whose KV waits in the host tier",
+                    m,
+                    kv.host_tier_entries,
+                )
+                for name, doc, value in (
+                    (
+                        "session_demotes",
+                        "Idle sessions' KV copied to the host tier",
+                        kv.session_demotes,
+                    ),
+                    (
+                        "session_promotes",
+                        "Session turns that loaded their history from it",
+                        kv.session_promotes,
+                    ),
+                    (
+                        "host_tier_loaded_tokens",
+                        "Positions loaded from it, not prefilled",
+                        kv.promoted_tokens,
+                    ),
+                    ("host_tier_drops", "Entries it dropped to fit its budget", kv.tier_drops),
+                    (
+                        "host_tier_failures",
+                        "Copies the runner failed (prefilled instead)",
+                        kv.tier_failures,
+                    ),
+                ):
+                    yield _counter(f"{OWN}{name}", doc, m, value)
             yield _gauge(f"{OWN}kv_held_rows", "req-to-token rows held", m, kv.held_rows)
             yield _counter(
                 f"{OWN}kv_cache_hit_tokens",

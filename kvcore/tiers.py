@@ -1,0 +1,154 @@
+"""KV below the pool: the host tier's entries and their accounting (pure bookkeeping).
+
+A session whose KV is demoted holds no record, no row and no pool page: its history's KV
+lives in a tier under a handle, and the allocator's ledger keeps the `TierEntry` that says
+what the bytes are (the token keys they belong to, which pages had sliding KV). The bytes
+themselves are the model runner's (`kernels.kv_store`).
+
+Invariants (`check_tiers`):
+  * every entry belongs to exactly one session slot, and a slot names at most one entry;
+    a slot never holds a pool record and an entry at once (nothing is owned twice across
+    tiers);
+  * the tier's byte count is the sum of its entries' sizes and never above its budget;
+  * where the runner's store is audited too, it holds exactly these handles, at these sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcore.slots import ceil_page
+
+
+class TierViolation(AssertionError):
+    pass
+
+
+@dataclass(slots=True)
+class TierEntry:
+    """A session's KV for positions [0, len(tokens)) held outside the pool."""
+
+    handle: int
+    tokens: np.ndarray  # the positions' prefix-cache keys
+    # Per logical page of [0, len(tokens)): its sliding KV was saved (None: one pool, the
+    # sliding layers' KV is the full slots').
+    alive: np.ndarray | None
+    nbytes: int
+    last_used: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def saved_swa_positions(self, page_size: int) -> np.ndarray:
+        """The positions whose sliding KV was saved, in the store's order."""
+        if self.alive is None:
+            return np.zeros(0, dtype=np.int64)
+        per_position = np.repeat(self.alive, page_size)[: self.length]
+        return np.flatnonzero(per_position)
+
+
+@dataclass
+class HostTier:
+    """The host tier's entries and bytes, under a byte budget."""
+
+    budget: int
+    entries: dict[int, TierEntry] = field(default_factory=dict)
+    used: int = 0
+
+    def add(self, entry: TierEntry) -> None:
+        if entry.handle in self.entries:
+            raise TierViolation(f"handle {entry.handle} is stored twice")
+        self.entries[entry.handle] = entry
+        self.used += entry.nbytes
+
+    def remove(self, handle: int) -> TierEntry:
+        entry = self.entries.pop(handle)
+        self.used -= entry.nbytes
+        return entry
+
+    def over_budget(self) -> bool:
+        return self.used > self.budget
+
+    def least_recent(self) -> list[int]:
+        """Handles, least recently used first."""
+        return sorted(self.entries, key=lambda h: self.entries[h].last_used)
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """What a new turn can take from a stored entry: positions [cached, length) loaded,
+    and the record's window fields (the pages [dead_from, dead_to) had no sliding KV)."""
+
+    length: int
+    dead_from: int
+    dead_to: int
+
+
+def plan_promotion(
+    entry: TierEntry, prefix_len: int, cached: int, window: int, page_size: int
+) -> Promotion | None:
+    """A turn whose first `prefix_len` tokens equal the entry's, and whose first `cached`
+    (page-aligned) come from the prefix tree, loads [cached, prefix_len) from the entry, if:
+    it gains something; the window the first computed position reads has sliding KV on the
+    entry's pages (the tree's part of it was checked by the tree match); and the entry's
+    pages without sliding KV in the loaded range are one run, as a record's freed range is.
+    None: prefill instead."""
+    n = min(prefix_len, entry.length)
+    if n <= cached:
+        return None
+    if entry.alive is None or not window:
+        return Promotion(n, cached, cached)
+    ps = page_size
+    first_page, last_page = cached // ps, ceil_page(n, ps) // ps
+    alive = np.asarray(entry.alive[first_page:last_page], dtype=bool)
+    read_from = max(n - window + 1, cached) // ps - first_page
+    if not alive[read_from:].all():
+        return None
+    dead = np.flatnonzero(~alive)
+    if dead.size == 0:
+        return Promotion(n, cached, cached)
+    if dead[-1] - dead[0] + 1 != dead.size:
+        return None
+    return Promotion(n, (first_page + int(dead[0])) * ps, (first_page + int(dead[-1]) + 1) * ps)
+
+
+def check_tiers(
+    tier: HostTier,
+    slot_entries: Mapping[object, int],
+    slots_with_records: set,
+    store: Mapping[int, int] | None = None,
+) -> None:
+    """The host tier's invariants (module docstring). `slot_entries`: session -> the handle
+    its slot names; `slots_with_records`: sessions whose slot holds a pool record; `store`:
+    the runner's handle -> bytes, when audited."""
+    owners: dict[int, object] = {}
+    for sid, handle in slot_entries.items():
+        if handle not in tier.entries:
+            raise TierViolation(f"session {sid!r} names handle {handle}, which is not stored")
+        if handle in owners:
+            raise TierViolation(f"handle {handle} belongs to {owners[handle]!r} and {sid!r}")
+        owners[handle] = sid
+        if sid in slots_with_records:
+            raise TierViolation(f"session {sid!r} holds pool KV and a stored entry at once")
+    orphans = sorted(set(tier.entries) - set(owners))
+    if orphans:
+        raise TierViolation(f"stored handles {orphans[:8]} belong to no session")
+    total = sum(e.nbytes for e in tier.entries.values())
+    if total != tier.used:
+        raise TierViolation(f"host tier counts {tier.used} bytes; its entries hold {total}")
+    if tier.used > tier.budget:
+        raise TierViolation(f"host tier holds {tier.used} bytes, over its {tier.budget} budget")
+    if store is not None:
+        expected = {h: e.nbytes for h, e in tier.entries.items()}
+        if dict(store) != expected:
+            missing = sorted(set(expected) - set(store))
+            extra = sorted(set(store) - set(expected))
+            raise TierViolation(
+                f"the runner's store disagrees with the ledger: missing {missing[:8]}, "
+                f"unknown {extra[:8]}, sizes {sorted(store.items())[:4]} vs "
+                f"{sorted(expected.items())[:4]}"
+            )

@@ -1,0 +1,83 @@
+"""The host tier's store over a real paged KV cache: saved KV comes back bit for bit at the
+slots a load names, full and sliding layers alike; bad loads change nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.kv_cache import KVCache
+from kernels.kv_store import HostKvStore, MissingKv
+
+PS = 4
+
+
+def filled_cache(dtype=torch.bfloat16) -> KVCache:
+    cache = KVCache(
+        num_layers=6,
+        num_slots=33 * PS,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=dtype,
+        page_size=PS,
+        sliding_layers=[0, 1, 2, 4, 5],
+        swa_num_pages=16,
+    )
+    gen = torch.Generator().manual_seed(0)
+    for t in (*cache._k, *cache._v):
+        t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
+    return cache
+
+
+def kv_at(cache: KVCache, layer: int, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = cache.layer_kv(layer)
+    idx = torch.as_tensor(slots, dtype=torch.int64)
+    return k[idx].clone(), v[idx].clone()
+
+
+def test_saved_kv_loads_back_bit_for_bit_at_other_slots():
+    cache = filled_cache()
+    store = HostKvStore(cache)
+    full = np.arange(2 * PS, 7 * PS)  # positions [0, 20) on pages 2..6
+    swa = np.arange(9 * PS, 11 * PS)  # the sliding KV of positions [12, 20)
+    before_full = kv_at(cache, 3, full)
+    before_swa = kv_at(cache, 0, swa)
+    nbytes = store.save(7, full, swa)
+    # full layer: 2 x 20 x 2 x 8; sliding layers: 5 x 2 x 8 x 2 x 8, bf16
+    assert nbytes == 2 * (2 * 20 * 2 * 8 + 5 * 2 * 8 * 2 * 8)
+    assert store.sizes() == {7: nbytes}
+    # Load positions [8, 20) to pages 20..22 and sliding entries 4..7 ([16, 20)) to page 14.
+    dst_full = np.arange(20 * PS, 23 * PS)
+    dst_swa = np.arange(14 * PS, 15 * PS)
+    store.load(7, 8, dst_full, np.arange(4, 8), dst_swa)
+    k, v = kv_at(cache, 3, dst_full)
+    assert torch.equal(k, before_full[0][8:]) and torch.equal(v, before_full[1][8:])
+    k, v = kv_at(cache, 0, dst_swa)
+    assert torch.equal(k, before_swa[0][4:]) and torch.equal(v, before_swa[1][4:])
+    assert store.drop([7, 99]) == nbytes and store.sizes() == {}
+
+
+def test_one_pool_stores_full_slots_only():
+    cache = KVCache(num_layers=2, num_slots=9 * PS, num_kv_heads=1, head_dim=4, page_size=PS)
+    cache._k[0].normal_()
+    store = HostKvStore(cache)
+    slots = np.arange(PS, 3 * PS)
+    want = kv_at(cache, 1, slots)[0]
+    store.save(1, slots, np.zeros(0, dtype=np.int64))
+    store.load(1, 0, np.arange(5 * PS, 7 * PS), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert torch.equal(kv_at(cache, 1, np.arange(5 * PS, 7 * PS))[0], want)
+
+
+def test_bad_loads_are_refused_and_write_nothing():
+    cache = filled_cache(torch.float32)
+    store = HostKvStore(cache)
+    store.save(1, np.arange(PS, 3 * PS), np.arange(PS, 2 * PS))
+    snapshot = [t.clone() for t in (*cache._k, *cache._v)]
+    with pytest.raises(MissingKv):
+        store.load(2, 0, np.arange(PS), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    with pytest.raises(ValueError, match="outside"):
+        store.load(1, 4, np.arange(5 * PS, 7 * PS), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    with pytest.raises(ValueError, match="sliding entries outside"):
+        store.load(1, 0, np.arange(5 * PS, 6 * PS), np.arange(3, 5), np.arange(2))
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, (*cache._k, *cache._v)))

@@ -1,0 +1,88 @@
+"""kvcore.tiers: the host tier's accounting, its checker, and what a promotion may load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcore.tiers import HostTier, Promotion, TierEntry, TierViolation, check_tiers, plan_promotion
+
+PS = 4
+
+
+def entry(handle=1, n=40, alive=None, nbytes=100, last_used=0) -> TierEntry:
+    return TierEntry(handle, np.arange(n, dtype=np.int64), alive, nbytes, last_used)
+
+
+def pages(pattern: str) -> np.ndarray:
+    """'1' alive, '0' dead, one character per page."""
+    return np.array([c == "1" for c in pattern])
+
+
+def test_a_promotion_loads_what_the_tree_lacks_and_nothing_when_it_lacks_nothing():
+    e = entry(n=40)
+    assert plan_promotion(e, 40, 16, 0, PS) == Promotion(40, 16, 16)
+    assert plan_promotion(e, 30, 0, 0, PS) == Promotion(30, 0, 0)  # a diverged prompt
+    assert plan_promotion(e, 60, 8, 0, PS) == Promotion(40, 8, 8)  # the entry's end
+    assert plan_promotion(e, 16, 16, 0, PS) is None  # the tree has it all
+    assert plan_promotion(e, 12, 16, 0, PS) is None
+
+
+def test_a_promotion_needs_the_first_query_window_alive_and_one_dead_run():
+    # 10 pages, window 8: the last two pages (positions 32..39) alive, the rest dead.
+    e = entry(n=40, alive=pages("0000000011"))
+    # Loaded [0, 40): pages 0..7 dead as one run; the query at 40 reads 33..39: alive.
+    assert plan_promotion(e, 40, 0, 8, PS) == Promotion(40, 0, 32)
+    assert plan_promotion(e, 40, 16, 8, PS) == Promotion(40, 16, 32)  # tree had 0..15
+    # A prompt diverging at 30 would read 23..29: dead pages, so it prefills.
+    assert plan_promotion(e, 30, 0, 8, PS) is None
+    # Two dead runs cannot be one record's freed range.
+    assert plan_promotion(entry(n=40, alive=pages("0011001111")), 40, 0, 8, PS) is None
+    # Alive below a dead run: the record's floor keeps [0, 8), the window freed [8, 24).
+    assert plan_promotion(entry(n=40, alive=pages("1100001111")), 40, 0, 8, PS) == Promotion(
+        40, 8, 24
+    )
+    assert plan_promotion(entry(n=40, alive=pages("1111111111")), 40, 0, 8, PS) == Promotion(
+        40, 0, 0
+    )
+
+
+def test_saved_sliding_positions_follow_the_alive_pages():
+    e = entry(n=10, alive=pages("011"))  # positions 4..9 saved (the last page is partial)
+    assert e.saved_swa_positions(PS).tolist() == [4, 5, 6, 7, 8, 9]
+    assert entry(n=10).saved_swa_positions(PS).size == 0
+
+
+def test_the_host_tier_counts_bytes_and_orders_by_use():
+    tier = HostTier(budget=250)
+    tier.add(entry(1, nbytes=100, last_used=5))
+    tier.add(entry(2, nbytes=100, last_used=3))
+    assert tier.used == 200 and not tier.over_budget()
+    with pytest.raises(TierViolation, match="twice"):
+        tier.add(entry(1))
+    tier.add(entry(3, nbytes=100, last_used=9))
+    assert tier.over_budget() and tier.least_recent() == [2, 1, 3]
+    assert tier.remove(2).handle == 2 and tier.used == 200
+
+
+def test_the_checker_names_every_broken_rule():
+    tier = HostTier(budget=250)
+    tier.add(entry(1))
+    tier.add(entry(2))
+    check_tiers(tier, {"a": 1, "b": 2}, {"c"}, {1: 100, 2: 100})
+    with pytest.raises(TierViolation, match="belong to no session"):
+        check_tiers(tier, {"a": 1}, set())
+    with pytest.raises(TierViolation, match="belongs to 'a' and 'b'"):
+        check_tiers(tier, {"a": 1, "b": 1}, set())
+    with pytest.raises(TierViolation, match="not stored"):
+        check_tiers(tier, {"a": 1, "b": 2, "c": 7}, set())
+    with pytest.raises(TierViolation, match="pool KV and a stored entry"):
+        check_tiers(tier, {"a": 1, "b": 2}, {"a"})
+    with pytest.raises(TierViolation, match="disagrees"):
+        check_tiers(tier, {"a": 1, "b": 2}, set(), {1: 100})
+    tier.used = 150
+    with pytest.raises(TierViolation, match="counts 150 bytes"):
+        check_tiers(tier, {"a": 1, "b": 2}, set())
+    tier.used, tier.budget = 200, 150
+    with pytest.raises(TierViolation, match="over its 150 budget"):
+        check_tiers(tier, {"a": 1, "b": 2}, set())

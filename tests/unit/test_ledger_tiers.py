@@ -1,0 +1,316 @@
+"""The host tier in the ledger: demote an idle session, promote its next turn, the budget.
+
+Every operation is followed by the exact invariant checker (the tier's conservation
+included), and `FakeKv` checks that a promoted row maps every position to the KV that was
+written for its token, through a `FakeTierPort` that copies the fake runner's arrays out
+and back as the runner's store does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcore import InvariantViolation, SwaPages, check_invariants
+from kvcore.tiers import HostTier, TierEntry
+from tests.unit.ledger_driver import FakeKv, FakeTierPort, make_ledger, run_sync
+
+PS, WINDOW = 4, 16
+
+
+class Driver:
+    """A ledger with sessions and a host tier of `budget` bytes; with `swa`, two pools
+    (window 16, freed in steps of a page)."""
+
+    def __init__(self, num_pages=64, rows=8, capacity=256, budget=1 << 20, swa=False):
+        self.ledger, self.tree = make_ledger(num_pages, PS, rows, capacity)
+        self.kv = FakeKv((num_pages + 1) * PS, PS, swa_pages=num_pages if swa else 0)
+        if swa:
+            self.ledger.swa = SwaPages(num_pages, num_pages, PS)
+            self.ledger.window = WINDOW
+            self.ledger.swa_free_step = PS
+        self.port = FakeTierPort(self.kv)
+        self.ledger.tiers = self.port
+        self.ledger.host = HostTier(budget)
+        self.capacity = capacity
+
+    def check(self) -> None:
+        check_invariants(run_sync(self.ledger.snapshot()))
+        assert self.problems() == []
+
+    def problems(self) -> list[str]:
+        if self.ledger.host is None:
+            return []
+        return run_sync(self.ledger._tier_problems(audit_store=True))
+
+    def extend(self, rid, tokens, budget=10_000, session="", match_prefix=True):
+        deltas = []
+        g = run_sync(
+            self.ledger.alloc_extend(
+                rid, tokens, budget, deltas, match_prefix=match_prefix, session=session
+            )
+        )
+        self.kv.apply(deltas, self.capacity)
+        self.check()
+        if g is not None:
+            self.kv.write(g.row, tokens, g.start, g.end)
+        return g
+
+    def decode(self, rid, tokens):
+        deltas = []
+        assert run_sync(self.ledger.alloc_decode([rid], deltas)) == 0
+        self.kv.apply(deltas, self.capacity)
+        self.check()
+        rec = self.ledger.records[rid]
+        self.kv.write(rec.req_pool_idx, tokens, rec.kv_committed_len - 1, rec.kv_committed_len)
+
+    def turn(self, rid, prompt, new_tokens, session):
+        g = self.extend(rid, prompt, session=session)
+        assert g is not None
+        tokens = np.concatenate([prompt, new_tokens]).astype(np.int64)
+        for i in range(len(new_tokens) - 1):
+            self.decode(rid, tokens[: len(prompt) + i + 1])
+        self.finish(rid, tokens)
+        return g, tokens
+
+    def finish(self, rid, tokens):
+        deltas = []
+        run_sync(self.ledger.finish(rid, tokens))
+        self.ledger.forget(rid)
+        self.kv.apply(deltas, self.capacity)
+        self.check()
+
+    def evict_tree(self) -> None:
+        """The tree loses every unlocked page (pressure elsewhere)."""
+        freed = run_sync(self.tree_port().evict(self.ledger.pool.num_pages))
+        with_ledger_writes(lambda: self.ledger._free_pages(freed))
+        self.check()
+
+    def tree_port(self):
+        return self.ledger.tree
+
+    def assert_window_holds(self, row, tokens, end) -> None:
+        """The sliding KV of the window a query at `end` reads holds the right tokens."""
+        slots = self.kv.replica[row][max(end - WINDOW + 1, 0) : end]
+        swa = self.kv.sliding_slots(slots)
+        assert (swa >= PS).all(), "a window position has no sliding page"
+        assert (self.kv.swa_token[swa] == tokens[max(end - WINDOW + 1, 0) : end]).all()
+
+
+def with_ledger_writes(fn):
+    from kvcore.req_kv_info import ledger_writes
+
+    with ledger_writes():
+        return fn()
+
+
+def toks(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(10, 5000, n).astype(np.int64)
+
+
+def demoted_session(d: Driver, sid="s", seed=1, prompt_len=30, new=6):
+    """A session with one finished turn whose KV the cap (0 pages) demoted at once."""
+    d.ledger.session_max_pages = 0
+    d.ledger.open_slot(sid)
+    _, hist = d.turn(seed, toks(seed, prompt_len), toks(seed + 100, new), sid)
+    slot = d.ledger.slots[sid]
+    assert slot.rec is None and slot.stored is not None
+    return hist
+
+
+def test_a_demoted_session_holds_no_pool_page_and_its_next_turn_loads_what_the_tree_lost():
+    d = Driver()
+    hist = demoted_session(d)  # 35 positions with KV (the last sampled token has none)
+    entry = d.ledger.host.entries[d.ledger.slots["s"].stored]
+    assert entry.length == 35 and d.ledger.host.used == 8 * 35
+    assert d.ledger.session_pages() == 0 and d.ledger.counters.session_demotes == 1
+    assert run_sync(d.ledger.idle_problems(audit_store=True)) == []
+    d.evict_tree()  # the tree keeps nothing of it: everything comes from the host tier
+    prompt = np.concatenate([hist, toks(3, 7)])
+    g = d.extend(2, prompt, session="s")
+    assert (g.cached_len, g.start, g.end) == (35, 35, len(prompt))
+    d.kv.assert_row_holds(g.row, prompt, len(prompt))
+    assert d.port.loads == [(entry.handle, 0, 35)]
+    # The entry is gone: the KV is the request's again, owned once.
+    assert d.ledger.host.entries == {} and d.port.entries == {}
+    assert d.ledger.counters.session_promotes == 1 and d.ledger.counters.promoted_tokens == 35
+
+
+def test_a_promotion_takes_the_tree_prefix_and_loads_only_the_rest():
+    d = Driver()
+    hist = demoted_session(d)  # the tree got its 8 whole pages (32 positions) on release
+    prompt = np.concatenate([hist, toks(3, 7)])
+    g = d.extend(2, prompt, session="s")
+    assert (g.cached_len, g.start) == (35, 35)
+    assert d.ledger.records[2].cache_protected_len == 32  # shared with the tree, not copied
+    assert d.port.loads[-1][1:] == (32, 3)  # positions [32, 35) came from the host tier
+    d.kv.assert_row_holds(g.row, prompt, len(prompt))
+    d.finish(2, np.concatenate([prompt, toks(4, 1)]))
+
+
+def test_an_edited_history_loads_the_common_prefix_past_the_tree():
+    d = Driver()
+    hist = demoted_session(d)
+    prompt = np.concatenate([hist[:10], toks(9, 12)])  # the client edited the history
+    g = d.extend(2, prompt, session="s")
+    assert (g.cached_len, g.start) == (10, 10)  # 8 from the tree, 2 loaded
+    assert d.port.loads[-1][1:] == (8, 2) and d.ledger.host.entries == {}
+    d.kv.assert_row_holds(g.row, prompt, len(prompt))
+
+
+def test_a_turn_the_entry_adds_nothing_to_drops_it_and_prefills_from_the_tree():
+    d = Driver()
+    hist = demoted_session(d)
+    prompt = np.concatenate([hist[:8], toks(9, 12)])  # diverges where the tree's pages end
+    g = d.extend(2, prompt, session="s")
+    assert g.cached_len == 8 and d.port.loads == []
+    assert d.ledger.host.entries == {} and d.port.entries == {}
+    d.kv.assert_row_holds(g.row, prompt, len(prompt))
+
+
+def test_the_tier_keeps_its_budget_dropping_the_least_recently_demoted_first():
+    d = Driver(budget=8 * 40)  # one 35-position entry fits, two do not
+    a = demoted_session(d, "a", seed=1)
+    b = demoted_session(d, "b", seed=2)
+    assert d.ledger.slots["a"].stored is None and d.ledger.slots["b"].stored is not None
+    assert d.ledger.counters.tier_drops == 1 and d.ledger.host.used == 8 * 35
+    d.evict_tree()
+    g = d.extend(3, np.concatenate([a, toks(5, 3)]), session="a")
+    assert g.cached_len == 0  # "a" lost its KV: it prefills
+    g = d.extend(4, np.concatenate([b, toks(6, 3)]), session="b")
+    assert g.cached_len == 35
+
+
+def test_a_failed_load_computes_the_positions_and_a_failed_save_keeps_nothing():
+    d = Driver()
+    hist = demoted_session(d)
+    d.evict_tree()
+    d.port.fail = {"load"}
+    prompt = np.concatenate([hist, toks(3, 7)])
+    g = d.extend(2, prompt, budget=20, session="s")
+    assert (g.cached_len, g.start, g.end) == (0, 0, 20)  # within the step's budget
+    assert d.ledger.counters.tier_failures == 1 and d.ledger.host.entries == {}
+    d.kv.assert_row_holds(g.row, prompt, 20)
+    d.port.fail = {"save"}
+    d.ledger.open_slot("t")
+    d.turn(5, toks(5, 20), toks(6, 2), "t")
+    assert d.ledger.slots["t"].stored is None and d.ledger.slots["t"].rec is None
+    assert d.ledger.counters.tier_failures == 2
+
+
+def test_close_and_drop_cache_free_the_entries():
+    d = Driver()
+    demoted_session(d, "a", seed=1)
+    demoted_session(d, "b", seed=2)
+    assert len(d.port.entries) == 2
+    assert run_sync(d.ledger.close_slots(["a"])) == 0  # no pool page: it held none
+    d.check()
+    assert list(d.ledger.host.entries) == [d.ledger.slots["b"].stored]
+    run_sync(d.ledger.drop_cache())
+    d.check()
+    assert d.ledger.host.entries == {} and d.port.entries == {} and d.ledger.host.used == 0
+
+
+def test_a_refused_promotion_keeps_the_entry_for_the_retry():
+    d = Driver(num_pages=24)
+    hist = demoted_session(d)
+    d.evict_tree()
+    hog = d.extend(50, toks(50, 80))  # 20 of 24 pages held by a running request
+    assert hog is not None
+    prompt = np.concatenate([hist, toks(3, 7)])
+    assert d.extend(2, prompt, session="s") is None
+    assert d.ledger.slots["s"].stored is not None and d.port.loads == []
+    run_sync(d.ledger.abort(50))
+    d.ledger.forget(50)
+    g = d.extend(2, prompt, session="s")
+    assert g.cached_len == 35
+    d.kv.assert_row_holds(g.row, prompt, len(prompt))
+
+
+def test_pressure_demotes_an_idle_session_and_its_next_turn_loads_it():
+    d = Driver(num_pages=24)
+    d.ledger.open_slot("s")
+    _, hist = d.turn(1, toks(1, 30), toks(2, 3), "s")  # 32 positions: 8 pages pinned
+    g = d.extend(98, toks(98, 70))  # needs 18 pages, 16 are free: "s" must give its 8
+    assert g is not None
+    d.finish(98, toks(98, 70))
+    assert d.ledger.counters.session_demotes == 1 and d.ledger.slots["s"].stored is not None
+    d.evict_tree()
+    prompt = np.concatenate([hist, toks(3, 5)])
+    g = d.extend(2, prompt, session="s")
+    assert g.cached_len == 32
+    d.kv.assert_row_holds(g.row, prompt, len(prompt))
+
+
+def test_a_long_session_keeps_its_last_window_of_sliding_kv_and_promotes_whole():
+    d = Driver(swa=True)
+    d.ledger.session_max_pages = 0
+    d.ledger.open_slot("s")
+    _, hist = d.turn(1, toks(1, 10), toks(2, 51), "s")  # 60 positions, window passed most
+    slot = d.ledger.slots["s"]
+    entry = d.ledger.host.entries[slot.stored]
+    # Full layers: every position; sliding layers: the pages of the last window only.
+    assert entry.length == 60 and entry.alive.sum() == 4 and entry.alive[-4:].all()
+    assert d.ledger.host.used == 8 * (60 + 4 * PS)
+    d.evict_tree()
+    prompt = np.concatenate([hist, toks(3, 9)])
+    g = d.extend(2, prompt, session="s")  # the checker (both pools) runs inside
+    assert (g.cached_len, g.start) == (60, 60)
+    d.kv.assert_row_holds(g.row, prompt, len(prompt))
+    d.assert_window_holds(g.row, prompt, 60)
+    rec = d.ledger.records[2]
+    assert (rec.swa_evict_floor, rec.swa_evicted_seqlen) == (0, 44)
+    d.finish(2, np.concatenate([prompt, toks(4, 1)]))
+    assert run_sync(d.ledger.idle_problems(audit_store=True)) == []
+
+
+def test_a_swa_session_diverging_before_its_saved_window_prefills():
+    d = Driver(swa=True)
+    d.ledger.session_max_pages = 0
+    d.ledger.open_slot("s")
+    _, hist = d.turn(1, toks(1, 10), toks(2, 51), "s")
+    d.evict_tree()
+    prompt = np.concatenate([hist[:30], toks(3, 9)])  # its window at 30 was not saved
+    g = d.extend(2, prompt, session="s")
+    assert g.cached_len == 0 and d.port.loads == []
+    d.kv.assert_row_holds(g.row, prompt, len(prompt))
+
+
+def test_the_checker_names_a_tier_entry_no_session_owns_and_a_store_that_disagrees():
+    d = Driver()
+    demoted_session(d)
+    d.ledger.host.add(TierEntry(999, toks(1, 4), None, 32))
+    with pytest.raises(InvariantViolation, match="belong to no session"):
+        check_invariants(run_sync(d.ledger.snapshot()))
+    d.ledger.host.remove(999)
+    d.port.entries.clear()  # the runner lost its store
+    assert "disagrees" in run_sync(d.ledger.idle_problems(audit_store=True))[0]
+
+
+def test_an_offload_hint_moves_an_idle_session_out_of_the_pool_at_once():
+    d = Driver()
+    d.ledger.open_slot("s")
+    _, hist = d.turn(1, toks(1, 30), toks(2, 6), "s")
+    free = d.ledger.pool.num_free
+    assert run_sync(d.ledger.offload_slot("s")) == (9, 35)  # 9 pages freed, 35 stored
+    d.check()
+    # Freed, not cached: nothing of it waits in the tree, the pool has the pages back.
+    assert d.ledger.pool.num_free == free + 9 and d.ledger.session_pages() == 0
+    assert d.ledger.slot_tokens("s") == 35
+    assert run_sync(d.ledger.offload_slot("s")) == (0, 0)  # nothing left to move
+    prompt = np.concatenate([hist, toks(3, 4)])
+    g = d.extend(2, prompt, session="s")
+    assert (g.cached_len, d.port.loads[-1][1:]) == (35, (0, 35))
+    d.kv.assert_row_holds(g.row, prompt, len(prompt))
+    assert run_sync(d.ledger.offload_slot("s")) == (0, 0)  # a running turn is not moved
+
+
+def test_without_a_host_tier_an_offload_releases_to_the_prefix_tree():
+    d = Driver()
+    d.ledger.tiers = d.ledger.host = None
+    d.ledger.open_slot("s")
+    _, hist = d.turn(1, toks(1, 30), toks(2, 6), "s")
+    assert run_sync(d.ledger.offload_slot("s")) == (9, 0)
+    d.check()
+    g = d.extend(2, np.concatenate([hist, toks(3, 4)]), session="s")
+    assert g.cached_len == 32  # the tree's whole pages
