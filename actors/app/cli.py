@@ -3,8 +3,8 @@
   bin/engine serve [MODEL] [vLLM-style flags] [--zmq ADDR] [--config F] [--set k=v ...]
   bin/engine generate "prompt" [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]
                       [--seed S] [--stop STR ...] [--chat] [--set k=v ...]
-  bin/engine bench {transport,model,lm_head,engine,serving,serve,offline,quality,soak,kv,
-                    grammar} [...]
+  bin/engine bench {transport,model,lm_head,engine,serving,serve,offline,quality,soak,
+                    sessions,kv,grammar} [...]
   bin/engine gpu-check [--dry-run] [--json FILE]
   bin/engine zmq-keygen DIR
 
@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             "offline",
             "quality",
             "soak",
+            "sessions",
             "kv",
             "grammar",
             "synthetic-gguf",
@@ -386,6 +387,8 @@ def _bench(args) -> int:
         from actors.bench.quality import main as run
     elif args.what == "soak":
         from actors.bench.soak import main as run
+    elif args.what == "sessions":
+        from actors.bench.sessions import main as run
     elif args.what == "kv":
         from actors.bench.kv import main as run
     elif args.what == "grammar":

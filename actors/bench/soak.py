@@ -163,10 +163,10 @@ async def sample_loop(
         await asyncio.sleep(every_s)
 
 
-def kv_figures(base_url: str) -> dict[str, float]:
+def kv_figures(base_url: str, headers: dict | None = None) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    text = httpx.get(f"{base_url}/metrics", timeout=10, headers=headers).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -178,10 +178,12 @@ def kv_figures(base_url: str) -> dict[str, float]:
     return out
 
 
-def wait_idle(base_url: str, timeout_s: float = 30.0) -> dict[str, float]:
+def wait_idle(
+    base_url: str, timeout_s: float = 30.0, headers: dict | None = None
+) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
-        m = kv_figures(base_url)
+        m = kv_figures(base_url, headers)
         busy = m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0)
         if busy == 0 and m.get("kvactor:kv_request_records", 0) == 0:
             return m

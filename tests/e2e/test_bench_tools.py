@@ -161,3 +161,48 @@ def test_soak_samples_every_engine_process_and_finds_no_leak(tmp_path):
     kinds = {row["process"] for row in result["processes"]}
     assert {"server", "child"} <= kinds, result["processes"]
     assert all(row["samples"] >= 5 and row["rss_end_mb"] > 0 for row in result["processes"])
+
+
+def test_sessions_bench_reuses_history_and_answers_as_without_a_session(server, tmp_path):
+    """Three sessions of two turns and the restore probe against the shared server: every
+    turn answers, later turns find their history cached, the verified answers equal the
+    same prompts sent without a session, and the probe restores from the host tier."""
+    from actors.bench import sessions
+
+    out = tmp_path / "sessions.json"
+    code = sessions.main(
+        [
+            "--url",
+            server.base_url,
+            "--api-key",
+            server.api_key,
+            "--sessions",
+            "3",
+            "--turns",
+            "2",
+            "--concurrency",
+            "2",
+            "--new-tokens",
+            "40",
+            "--output-tokens",
+            "4",
+            "--pause-s",
+            "0.05",
+            "--verify",
+            "2",
+            "--restore-tokens",
+            "200",
+            "--output-json",
+            str(out),
+        ]
+    )
+    result = json.loads(out.read_text())
+    assert code == 0, result
+    assert result["turns_ok"] == 6 and result["turns_failed"] == 0
+    assert result["history_tokens"] > 3 * 40 and result["reprefilled_share"] < 0.1, result
+    assert result["verify"] == {"same": 2, "differ": 0}
+    probe = result["restore"]
+    assert probe["host_tier_cached_tokens"] >= probe["history_tokens"] - 1, probe
+    assert probe["pool_cached_tokens"] >= probe["history_tokens"] - 1, probe
+    assert probe["prefill_ttft_s"] > 0 and result["host_tier"]["promotes"] >= 1
+    assert set(result["ttft_by_turn"]) == {"0", "1"}

@@ -1,0 +1,321 @@
+"""bin/engine bench sessions: many multi-turn sessions, with tool-call pauses between turns,
+against a KV pool that holds only a fraction of them.
+
+Starts `bin/engine serve` (its own process group; `--set` reaches its config), or measures
+the server at `--url`. Each session runs `--turns` turns one after another; a turn sends the
+whole conversation so far (the previous prompt, its answer, and about `--new-tokens` new
+tokens of text) as a streaming completion on the session, greedy, `--output-tokens` tokens;
+between turns the session idles `--pause-s` on average (a tool call). `--concurrency`
+sessions run at once.
+
+Reported: for turns after the first, the history the session held (previous prompt +
+answer, less the last sampled token, which has no KV), how much of it came back cached, and
+the re-prefilled tokens as a share of the history (what dropping idle sessions' KV would
+re-prefill); TTFT per turn index (p50, p90); the host tier's figures from /metrics (bytes,
+demotions, promotions, positions loaded, drops, failures) and the idle KV check.
+`--verify N` re-sends the last turn of N sessions without a session and with a cache salt of
+its own (nothing reused) and compares the answers. `--restore-tokens T` times one session of
+about T history tokens restored three ways: from the pool (the session kept it), from the
+host tier (offloaded by the client's hint first) and by prefilling it (no session, a cache
+salt of its own): the time to the first token of the next turn, one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from actors.app.corpus import natural_text
+from actors.bench.soak import start_server, wait_idle
+from transport.address import pick_free_tcp_port
+
+
+@dataclass
+class Turn:
+    session: int
+    turn: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    history_tokens: int = 0  # KV the session held before this turn (0 on the first)
+    ttft_s: float = 0.0
+    text: str = ""
+    error: str = ""
+
+
+@dataclass
+class Run:
+    turns: list[Turn] = field(default_factory=list)
+    prompts: dict[tuple[int, int], str] = field(default_factory=dict)
+
+
+async def stream_completion(client: httpx.AsyncClient, body: dict) -> tuple[str, dict, float, str]:
+    """(text, usage, seconds to the first text, error) of one streaming completion."""
+    t0 = time.perf_counter()
+    ttft, parts, usage = 0.0, [], {}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return "", {}, 0.0, f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return "", {}, 0.0, str(chunk["error"])[:200]
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    if not parts:
+                        ttft = time.perf_counter() - t0
+                    parts.append(choice["text"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return "".join(parts), usage, ttft, ""
+
+
+def words_for(seed: int, vocabulary: list[str], n_tokens: int) -> str:
+    """About `n_tokens` tokens of text (words drawn from the corpus, ~1.3 tokens each)."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(vocabulary) for _ in range(max(1, int(n_tokens / 1.3))))
+
+
+async def one_session(
+    client: httpx.AsyncClient, model: str, index: int, args, vocabulary, run: Run
+) -> None:
+    rng = random.Random(args.seed * 1000 + index)
+    created = await client.post("/v1/sessions", json={"ttl_s": 3600})
+    created.raise_for_status()
+    sid = created.json()["id"]
+    prompt, previous = "", None
+    try:
+        for k in range(args.turns):
+            new = words_for(rng.randrange(1 << 30), vocabulary, args.new_tokens)
+            prompt = f"{prompt}{previous.text if previous else ''}\n{new}\n"
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": args.output_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "session_id": sid,
+            }
+            text, usage, ttft, error = await stream_completion(client, body)
+            turn = Turn(index, k, ttft_s=ttft, text=text, error=error)
+            if usage:
+                turn.prompt_tokens = usage["prompt_tokens"]
+                turn.completion_tokens = usage["completion_tokens"]
+                details = usage.get("prompt_tokens_details") or {}
+                turn.cached_tokens = details.get("cached_tokens") or 0
+            if previous is not None and not previous.error:
+                turn.history_tokens = previous.prompt_tokens + previous.completion_tokens - 1
+            run.turns.append(turn)
+            run.prompts[(index, k)] = prompt
+            previous = turn
+            if k + 1 < args.turns and args.pause_s > 0:
+                await asyncio.sleep(rng.expovariate(1.0 / args.pause_s))
+    finally:
+        await client.delete(f"/v1/sessions/{sid}")
+
+
+async def drive(base_url: str, args) -> tuple[Run, dict]:
+    vocabulary = natural_text().split()
+    run = Run()
+    async with httpx.AsyncClient(base_url=base_url, timeout=600.0, headers=_auth(args)) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        queue = list(range(args.sessions))
+
+        async def worker() -> None:
+            while queue:
+                await one_session(client, model, queue.pop(0), args, vocabulary, run)
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        checks = await verify(client, model, run, args)
+        restore = await restore_probe(client, model, vocabulary, args)
+    return run, {"verify": checks, "restore": restore}
+
+
+async def verify(client, model: str, run: Run, args) -> dict:
+    """The last turn of the first `--verify` sessions, again without a session: the same
+    answer (greedy) is expected."""
+    last = {t.session: t for t in run.turns if t.turn == args.turns - 1 and not t.error}
+    same = differ = 0
+    for index in sorted(last)[: args.verify]:
+        t = last[index]
+        body = {
+            "model": model,
+            "prompt": run.prompts[(index, t.turn)],
+            "max_tokens": args.output_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "cache_salt": f"verify-{index}",
+        }
+        text, _, _, error = await stream_completion(client, body)
+        if not error and text == t.text:
+            same += 1
+        else:
+            differ += 1
+    return {"same": same, "differ": differ}
+
+
+async def restore_probe(client, model: str, vocabulary, args) -> dict:
+    """TTFT of a session's next turn with its history in the pool, in the host tier, and
+    prefilled from nothing."""
+    if not args.restore_tokens:
+        return {}
+    history = words_for(args.seed + 7, vocabulary, args.restore_tokens)
+    out: dict = {}
+    for way in ("pool", "host_tier"):
+        sid = (await client.post("/v1/sessions", json={"ttl_s": 600})).json()["id"]
+        body = {"model": model, "max_tokens": 1, "temperature": 0.0, "session_id": sid}
+        salt = {"cache_salt": f"probe-{way}-{time.time_ns()}"}  # no tree hits across ways
+        _, usage, _, error = await stream_completion(client, {**body, **salt, "prompt": history})
+        if error:
+            return {"error": error}
+        out["history_tokens"] = usage["prompt_tokens"]
+        if way == "host_tier":
+            off = await client.post(f"/v1/sessions/{sid}/offload")
+            out["offload_http_status"] = off.status_code
+        nxt = {**body, **salt, "prompt": history + " and then", "max_tokens": 2}
+        _, usage, ttft, error = await stream_completion(client, nxt)
+        out[f"{way}_ttft_s"] = round(ttft, 4)
+        out[f"{way}_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get(
+            "cached_tokens", 0
+        )
+        await client.delete(f"/v1/sessions/{sid}")
+    body = {"model": model, "max_tokens": 2, "temperature": 0.0}
+    salt = {"cache_salt": f"probe-prefill-{time.time_ns()}"}
+    _, _, ttft, _ = await stream_completion(
+        client, {**body, **salt, "prompt": history + " and then"}
+    )
+    out["prefill_ttft_s"] = round(ttft, 4)
+    for way in ("pool", "host_tier"):
+        if out.get(f"{way}_ttft_s"):
+            out[f"{way}_speedup"] = round(out["prefill_ttft_s"] / out[f"{way}_ttft_s"], 1)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(run: Run, figures: dict, probes: dict, args) -> dict:
+    later = [t for t in run.turns if t.turn > 0 and not t.error]
+    history = sum(t.history_tokens for t in later)
+    reprefilled = sum(max(t.history_tokens - t.cached_tokens, 0) for t in later)
+    ttft = {}
+    for k in range(args.turns):
+        xs = [t.ttft_s for t in run.turns if t.turn == k and not t.error]
+        ttft[k] = {"p50_s": round(percentile(xs, 0.5), 4), "p90_s": round(percentile(xs, 0.9), 4)}
+
+    def f(name: str) -> float:
+        return figures.get(name, 0)
+
+    return {
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "concurrency": args.concurrency,
+        "turns_ok": sum(1 for t in run.turns if not t.error),
+        "turns_failed": sum(1 for t in run.turns if t.error),
+        "errors": [t.error for t in run.turns if t.error][:5],
+        "mean_prompt_tokens_last_turn": round(
+            statistics.mean([t.prompt_tokens for t in run.turns if t.turn == args.turns - 1])
+            if run.turns
+            else 0,
+            1,
+        ),
+        "history_tokens": history,
+        "reprefilled_tokens": reprefilled,
+        "reprefilled_share": round(reprefilled / history, 4) if history else 0.0,
+        "ttft_by_turn": ttft,
+        "host_tier": {
+            "bytes_used_at_end": f("kvactor:kv_host_tier_bytes{kind=used}"),
+            "budget": f("kvactor:kv_host_tier_bytes{kind=budget}"),
+            "demotes": f("kvactor:session_demotes_total"),
+            "promotes": f("kvactor:session_promotes_total"),
+            "loaded_tokens": f("kvactor:host_tier_loaded_tokens_total"),
+            "drops": f("kvactor:host_tier_drops_total"),
+            "failures": f("kvactor:host_tier_failures_total"),
+        },
+        "session_reclaims": f("kvactor:session_reclaims_total"),
+        "kv_pages_total": f("kvactor:kv_pages{state=free}")
+        + f("kvactor:kv_pages{state=tree}")
+        + f("kvactor:kv_pages{state=session}")
+        + f("kvactor:kv_pages{state=held}"),
+        "idle_check_failures": f("kvactor:kv_idle_check_failures_total"),
+        **probes,
+    }
+
+
+def _auth(args) -> dict[str, str]:
+    return {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="bin/engine bench sessions", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--sessions", type=int, default=32)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=300, help="new text per turn, about")
+    p.add_argument("--output-tokens", type=int, default=24)
+    p.add_argument("--concurrency", type=int, default=4, help="sessions running at once")
+    p.add_argument("--pause-s", type=float, default=1.0, help="mean tool-call pause")
+    p.add_argument("--verify", type=int, default=4, help="last turns re-sent without session")
+    p.add_argument("--restore-tokens", type=int, default=2000, help="0: no restore probe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", default="", help="a running server (else one is started)")
+    p.add_argument("--api-key", default="", help="the running server's API key")
+    p.add_argument("--multi-process", action="store_true", help="runner in its own process")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    p.add_argument("--log", default="/tmp/kvactor-sessions-server.log")
+    p.add_argument("--output-json", default="")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    proc = None
+    base_url = args.url
+    if not base_url:
+        port = pick_free_tcp_port()
+        base_url = f"http://127.0.0.1:{port}"
+        proc = start_server(args, port)
+    try:
+        t0 = time.monotonic()
+        run, probes = asyncio.run(drive(base_url, args))
+        elapsed = time.monotonic() - t0
+        figures = wait_idle(base_url, headers=_auth(args))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    result = summarize(run, figures, probes, args)
+    result["elapsed_s"] = round(elapsed, 1)
+    print(json.dumps(result, indent=2))
+    if args.output_json:
+        detail = {**result, "turn_records": [asdict(t) | {"text": ""} for t in run.turns]}
+        Path(args.output_json).write_text(json.dumps(detail, indent=2))
+    bad = result["turns_failed"] or result["idle_check_failures"] or result["verify"]["differ"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
