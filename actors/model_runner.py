@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
+import os
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import anyio
 import numpy as np
@@ -39,6 +43,8 @@ from transport.messages.tiers import (
     KvLoad,
     KvSave,
     KvSaved,
+    KvSpill,
+    KvSpilled,
     KvStoreContents,
     KvStoreQuery,
 )
@@ -51,7 +57,7 @@ class RegisterFailed(Exception):
 
 
 class ModelRunnerActor(Actor):
-    inbox = ForwardBatchMsg | LoadGrammar | KvSave | KvLoad | KvDrop | KvStoreQuery
+    inbox = ForwardBatchMsg | LoadGrammar | KvSave | KvLoad | KvSpill | KvDrop | KvStoreQuery
 
     def __init__(
         self,
@@ -71,6 +77,7 @@ class ModelRunnerActor(Actor):
         linear: str = "auto",
         grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES,
         compile: str = "off",
+        store_dir: str = "",
     ) -> None:
         from kernels.cpu import choose_dtype, choose_threads, one_thread_here
         from kernels.device import choose_attention, choose_device
@@ -120,7 +127,8 @@ class ModelRunnerActor(Actor):
         self._grammar_cache = ByteLRU(grammar_cache_bytes)
         self.executor = None
         self.sampler = None
-        self.kv_store = None  # kernels.kv_store.HostKvStore: the host tier's bytes
+        self.kv_store = None  # kernels.kv_store.HostKvStore: the tiers' bytes
+        self.store_dir = store_dir  # the disk tier's root ("": none)
         self.steps = 0
         self.forward_s = 0.0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner-torch")
@@ -157,6 +165,8 @@ class ModelRunnerActor(Actor):
         # another in a process pile up).
         self.executor = None
         self.sampler = None
+        if self.kv_store is not None:
+            self.kv_store.close()  # the disk tier's files die with this runner
         self.kv_store = None
         gc.collect()
 
@@ -188,7 +198,7 @@ class ModelRunnerActor(Actor):
             sliding_layers=config.sliding_layers,
             swa_num_pages=self.swa_num_pages,
         )
-        self.kv_store = HostKvStore(kv)
+        self.kv_store = HostKvStore(kv, *self._disk_tier(config))
         table = ReqToTokenTable(self.max_rows + 1, self.row_capacity, device=self.device)
         options = (
             {} if self.attention_name == "torch" else {"device": self.device, "dtype": self.dtype}
@@ -228,6 +238,23 @@ class ModelRunnerActor(Actor):
             # the background, rather than in the first constrained request's step.
             if grammar_available():
                 threading.Thread(target=self._grammar_engine, daemon=True).start()
+
+    def _disk_tier(self, config) -> tuple[Path | None, str]:
+        """The disk tier's folder (one per runner: `store_dir/<fingerprint>/<pid>-<rand>`)
+        and the fingerprint its files carry: the model file and the KV layout."""
+        model = Path(self.model_path or "embedded").expanduser()
+        stat = model.stat() if model.exists() else None
+        ident = (
+            f"{model.resolve() if stat else model}|{stat.st_size if stat else 0}|"
+            f"{stat.st_mtime_ns if stat else 0}|{self.dtype}|{config.num_layers}|"
+            f"{config.num_kv_heads}|{config.head_dim}|{sorted(config.sliding_layers)}|"
+            f"{self.page_size}|{self.swa_num_pages > 0}"
+        )
+        fingerprint = hashlib.sha256(ident.encode()).hexdigest()[:16]
+        if not self.store_dir:
+            return None, fingerprint
+        folder = f"{os.getpid()}-{secrets.token_hex(4)}"
+        return Path(self.store_dir).expanduser() / fingerprint / folder, fingerprint
 
     def _compile(self) -> None:
         """Background: compile the small-step graph; steps switch to it once ready."""
@@ -295,11 +322,17 @@ class ModelRunnerActor(Actor):
                 np.asarray(msg.swa_slots),
             )
             return Ack()
+        if isinstance(msg, KvSpill):
+            return KvSpilled(handle=msg.handle, nbytes=store.spill(msg.handle))
         if isinstance(msg, KvDrop):
             store.drop(list(msg.handles))
             return Ack()
         sizes = store.sizes()
-        return KvStoreContents(handles=list(sizes), nbytes=list(sizes.values()))
+        return KvStoreContents(
+            handles=list(sizes),
+            nbytes=[n for _, n in sizes.values()],
+            tiers=[t for t, _ in sizes.values()],
+        )
 
     async def _load_grammar(self, msg: LoadGrammar):
         """Keep a compiled grammar by key. A query (no data) is answered at once; a load is

@@ -1,4 +1,5 @@
-"""The host tier's storage: copies of KV taken out of the paged pool, by handle.
+"""The tiers' storage: copies of KV taken out of the paged pool, by handle, in host memory
+or (spilled) in files.
 
 The allocator decides what moves and keeps the accounting (`kvcore.tiers`); this store only
 holds the bytes. An entry is what `KVCache.read_slots` returns for one session's history:
@@ -6,24 +7,42 @@ the full-attention layers' K/V at positions [0, n) in position order, and (split
 sliding layers' K/V at the positions whose sliding KV existed, in position order. A load
 writes a range of those positions back at the slots the allocator just reserved.
 
-The store never decides anything: an unknown handle is an error the caller turns into a
-prefill (never into wrong KV), and every entry's size is reported so the ledger's byte
-count can be audited against it.
+A spill writes an entry to `disk_dir/<handle>.kv` (safetensors: one tensor per part, the
+metadata holding the format, the model's fingerprint and a BLAKE2b checksum of the tensors'
+bytes) and frees the host copy; a load of a spilled entry reads and verifies it first. The
+file is written beside and renamed into place, so a crash never leaves a half file under
+the final name.
+
+The store never decides anything: an unknown handle, or a file that is missing, truncated,
+altered or from another model, is an error the caller turns into a prefill (never into wrong
+KV), and every entry's tier and size are reported so the ledger's count can be audited.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 from kernels.kv_cache import KVCache
 
+FILE_FORMAT = "kvactor-kv-1"
+
 
 class MissingKv(KeyError):
     """A load or an audit named a handle the store does not hold."""
+
+
+class CorruptKv(ValueError):
+    """A spilled entry's file is missing, unreadable, altered or another model's."""
 
 
 @dataclass(frozen=True)
@@ -41,11 +60,15 @@ class StoredKv:
 
 
 class HostKvStore:
-    """Handle -> `StoredKv`, in host memory. Not bounded here: the allocator's budget is."""
+    """Handle -> `StoredKv` in host memory, or its file under `disk_dir` once spilled. Not
+    bounded here: the allocator's budgets are."""
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, disk_dir: Path | None = None, fingerprint: str = ""):
         self.cache = cache
         self.entries: dict[int, StoredKv] = {}
+        self.on_disk: dict[int, int] = {}  # spilled handle -> its file's bytes
+        self.disk_dir = disk_dir
+        self.fingerprint = fingerprint
 
     def save(self, handle: int, full_slots: np.ndarray, swa_slots: np.ndarray) -> int:
         """Copy the KV at these slots (full positions [0, n) in order; the sliding pool's
@@ -68,6 +91,8 @@ class HostKvStore:
         saved sliding entries `swa_index` (indices into the saved sliding positions) at the
         sliding pool's `swa_slots`."""
         entry = self.entries.get(handle)
+        if entry is None and handle in self.on_disk:
+            entry = self._read(handle)
         if entry is None:
             raise MissingKv(f"no stored KV under handle {handle}")
         end = start + len(full_slots)
@@ -84,10 +109,85 @@ class HostKvStore:
             parts += [p.index_select(1, idx) for p in entry.parts[2:]]
         self.cache.write_slots(parts, full_slots, swa_slots)
 
-    def drop(self, handles: list[int]) -> int:
-        """Forget these handles (unknown ones are ignored); the bytes freed."""
-        return sum(e.nbytes for h in handles if (e := self.entries.pop(h, None)) is not None)
+    def spill(self, handle: int) -> int:
+        """Write a host entry to its file and free the host copy; the file's bytes."""
+        if self.disk_dir is None:
+            raise MissingKv("this store has no disk tier")
+        entry = self.entries.get(handle)
+        if entry is None:
+            raise MissingKv(f"no host entry under handle {handle}")
+        self.disk_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {f"part{i}": p.contiguous() for i, p in enumerate(entry.parts)}
+        metadata = {
+            "format": FILE_FORMAT,
+            "fingerprint": self.fingerprint,
+            "checksum": _checksum(tensors),
+        }
+        path = self._path(handle)
+        partial = path.with_suffix(".partial")
+        try:
+            save_file(tensors, str(partial), metadata=metadata)
+            os.replace(partial, path)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        nbytes = path.stat().st_size
+        del self.entries[handle]
+        self.on_disk[handle] = nbytes
+        return nbytes
 
-    def sizes(self) -> dict[int, int]:
-        """Handle -> bytes, for the ledger's audit."""
-        return {h: e.nbytes for h, e in self.entries.items()}
+    def drop(self, handles: list[int]) -> int:
+        """Forget these handles, deleting spilled files (unknown ones are ignored); the bytes
+        freed."""
+        freed = 0
+        for h in handles:
+            entry = self.entries.pop(h, None)
+            if entry is not None:
+                freed += entry.nbytes
+            if self.on_disk.pop(h, None) is not None:
+                freed += self._path(h).stat().st_size if self._path(h).exists() else 0
+                self._path(h).unlink(missing_ok=True)
+        return freed
+
+    def sizes(self) -> dict[int, tuple[str, int]]:
+        """Handle -> (tier, bytes), for the ledger's audit."""
+        out = {h: ("host", e.nbytes) for h, e in self.entries.items()}
+        out.update({h: ("disk", n) for h, n in self.on_disk.items()})
+        return out
+
+    def close(self) -> None:
+        """Delete the disk tier's folder (its files die with the process that wrote them)."""
+        if self.disk_dir is not None:
+            shutil.rmtree(self.disk_dir, ignore_errors=True)
+        self.on_disk.clear()
+
+    def _path(self, handle: int) -> Path:
+        return self.disk_dir / f"{handle}.kv"
+
+    def _read(self, handle: int) -> StoredKv:
+        """A spilled entry, verified: the format, this model's fingerprint, the checksum."""
+        path = self._path(handle)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except (OSError, SafetensorError, ValueError) as exc:
+            raise CorruptKv(f"spilled KV {handle} cannot be read: {exc}") from None
+        if metadata.get("format") != FILE_FORMAT:
+            raise CorruptKv(f"spilled KV {handle}: not a {FILE_FORMAT} file")
+        if metadata.get("fingerprint") != self.fingerprint:
+            raise CorruptKv(f"spilled KV {handle} belongs to another model or KV layout")
+        if metadata.get("checksum") != _checksum(tensors):
+            raise CorruptKv(f"spilled KV {handle}: checksum mismatch (the file was altered)")
+        parts = [tensors[f"part{i}"] for i in range(len(tensors))]
+        return StoredKv(parts, sum(p.numel() * p.element_size() for p in parts))
+
+
+def _checksum(tensors: dict[str, Tensor]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(name.encode())
+        digest.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -27,8 +27,9 @@ leak through. Checked, for every holder (a live request or a session slot) with 
    kv_committed_len - window on, tree prefix included) has its sliding KV; the tree's
    per-page alive flags equal the map; a holder's own pages below its floor are alive and
    [floor, swa_evicted_seqlen) is dead.
-8. Tiers: every host-tier entry belongs to one session slot that holds no pool record;
-   the tier's bytes are its entries' and within its budget (`kvcore.tiers`).
+8. Tiers: every entry of a tier below the pool is in one tier and belongs to one session
+   slot that holds no pool record; each tier's bytes are its entries' and within its
+   budget (`kvcore.tiers`).
 
 Failures raise `InvariantViolation` naming the owner and the pages. `check_idle` is the
 cheap check for an idle engine (counts only).
@@ -45,7 +46,7 @@ import numpy as np
 from kvcore.radix_tree import RadixTree, TreeSnapshot
 from kvcore.req_kv_info import ReqKvInfo
 from kvcore.slots import floor_page
-from kvcore.tiers import HostTier, TierViolation, check_tiers
+from kvcore.tiers import KvTier, TierViolation, check_tiers
 
 
 class InvariantViolation(AssertionError):
@@ -69,7 +70,7 @@ class KvSnapshot:
     swa_free_pages: np.ndarray | None = None
     swa_total_pages: int = 0
     swa_window: int = 0  # the sliding layers' window in tokens (0: none)
-    host_tier: HostTier | None = None  # the tier below the pool (None: none)
+    tiers: list[KvTier] = field(default_factory=list)  # the tiers below the pool
     session_entries: Mapping[object, int] = field(default_factory=dict)  # session -> handle
 
 
@@ -129,9 +130,9 @@ def check_invariants(snap: KvSnapshot) -> None:
     _check_conservation(snap, owners)
     if snap.swa_map is not None:
         _check_swa(snap, holders)
-    if snap.host_tier is not None:
+    if snap.tiers:
         try:
-            check_tiers(snap.host_tier, snap.session_entries, set(snap.session_records))
+            check_tiers(snap.tiers, snap.session_entries, set(snap.session_records))
         except TierViolation as exc:
             raise InvariantViolation(str(exc)) from None
 

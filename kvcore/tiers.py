@@ -1,16 +1,20 @@
-"""KV below the pool: the host tier's entries and their accounting (pure bookkeeping).
+"""KV below the pool: the tiers' entries and their accounting (pure bookkeeping).
 
 A session whose KV is demoted holds no record, no row and no pool page: its history's KV
 lives in a tier under a handle, and the allocator's ledger keeps the `TierEntry` that says
 what the bytes are (the token keys they belong to, which pages had sliding KV). The bytes
 themselves are the model runner's (`kernels.kv_store`).
 
+Tiers: "host" (RAM) and "disk" (files under `kv.store_dir`), each with a byte budget; an
+entry is in one of them, and moves host -> disk when the host tier overflows.
+
 Invariants (`check_tiers`):
-  * every entry belongs to exactly one session slot, and a slot names at most one entry;
-    a slot never holds a pool record and an entry at once (nothing is owned twice across
-    tiers);
-  * the tier's byte count is the sum of its entries' sizes and never above its budget;
-  * where the runner's store is audited too, it holds exactly these handles, at these sizes.
+  * every entry is in exactly one tier and belongs to exactly one session slot; a slot
+    names at most one entry, and never holds a pool record and an entry at once (nothing
+    is owned twice across tiers);
+  * each tier's byte count is the sum of its entries' sizes and never above its budget;
+  * where the runner's store is audited too, it holds exactly these handles, in these
+    tiers, at these sizes.
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ class TierEntry:
 
 
 @dataclass
-class HostTier:
-    """The host tier's entries and bytes, under a byte budget."""
+class KvTier:
+    """One tier's entries and bytes, under a byte budget ("host": RAM, "disk": files)."""
 
+    name: str
     budget: int
     entries: dict[int, TierEntry] = field(default_factory=dict)
     used: int = 0
@@ -117,38 +122,51 @@ def plan_promotion(
 
 
 def check_tiers(
-    tier: HostTier,
+    tiers: list[KvTier],
     slot_entries: Mapping[object, int],
     slots_with_records: set,
-    store: Mapping[int, int] | None = None,
+    store: Mapping[int, tuple[str, int]] | None = None,
 ) -> None:
-    """The host tier's invariants (module docstring). `slot_entries`: session -> the handle
-    its slot names; `slots_with_records`: sessions whose slot holds a pool record; `store`:
-    the runner's handle -> bytes, when audited."""
+    """The tiers' invariants (module docstring). `slot_entries`: session -> the handle its
+    slot names; `slots_with_records`: sessions whose slot holds a pool record; `store`: the
+    runner's handle -> (tier name, bytes), when audited."""
+    where: dict[int, str] = {}
+    for tier in tiers:
+        for handle in tier.entries:
+            if handle in where:
+                raise TierViolation(
+                    f"handle {handle} is in the {where[handle]} and {tier.name} tiers"
+                )
+            where[handle] = tier.name
     owners: dict[int, object] = {}
     for sid, handle in slot_entries.items():
-        if handle not in tier.entries:
+        if handle not in where:
             raise TierViolation(f"session {sid!r} names handle {handle}, which is not stored")
         if handle in owners:
             raise TierViolation(f"handle {handle} belongs to {owners[handle]!r} and {sid!r}")
         owners[handle] = sid
         if sid in slots_with_records:
             raise TierViolation(f"session {sid!r} holds pool KV and a stored entry at once")
-    orphans = sorted(set(tier.entries) - set(owners))
+    orphans = sorted(set(where) - set(owners))
     if orphans:
         raise TierViolation(f"stored handles {orphans[:8]} belong to no session")
-    total = sum(e.nbytes for e in tier.entries.values())
-    if total != tier.used:
-        raise TierViolation(f"host tier counts {tier.used} bytes; its entries hold {total}")
-    if tier.used > tier.budget:
-        raise TierViolation(f"host tier holds {tier.used} bytes, over its {tier.budget} budget")
+    for tier in tiers:
+        total = sum(e.nbytes for e in tier.entries.values())
+        if total != tier.used:
+            raise TierViolation(
+                f"{tier.name} tier counts {tier.used} bytes; its entries hold {total}"
+            )
+        if tier.used > tier.budget:
+            raise TierViolation(
+                f"{tier.name} tier holds {tier.used} bytes, over its {tier.budget} budget"
+            )
     if store is not None:
-        expected = {h: e.nbytes for h, e in tier.entries.items()}
+        expected = {h: (where[h], e.nbytes) for t in tiers for h, e in t.entries.items()}
         if dict(store) != expected:
             missing = sorted(set(expected) - set(store))
             extra = sorted(set(store) - set(expected))
+            wrong = sorted(h for h in set(store) & set(expected) if store[h] != expected[h])
             raise TierViolation(
                 f"the runner's store disagrees with the ledger: missing {missing[:8]}, "
-                f"unknown {extra[:8]}, sizes {sorted(store.items())[:4]} vs "
-                f"{sorted(expected.items())[:4]}"
+                f"unknown {extra[:8]}, other tier or size {wrong[:8]}"
             )

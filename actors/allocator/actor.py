@@ -17,7 +17,7 @@ from actors.allocator.tier_port import RemoteTierPort
 from actors.runtime import Actor
 from kvcore import InvariantViolation, PagePool, ReqToTokenTable, SwaPages
 from kvcore.req_kv_info import enable_write_guard
-from kvcore.tiers import HostTier
+from kvcore.tiers import KvTier
 from transport.messages.alloc import (
     AllocDecode,
     AllocDecodeReply,
@@ -100,6 +100,7 @@ class AllocatorActor(Actor):
         swa_free_prompt: bool = False,
         session_max_pages: int | None = None,
         host_tier_bytes: int = 0,
+        disk_tier_bytes: int = 0,
         runner: str = "runner",
     ) -> None:
         self.pool = PagePool(num_pages, page_size)
@@ -118,6 +119,8 @@ class AllocatorActor(Actor):
         self.session_max_pages = session_max_pages
         # The host tier below the pool (0: none); its bytes live in the runner's store.
         self.host_tier_bytes = host_tier_bytes
+        # The disk tier below it (0: none; the runner writes its files under kv.store_dir).
+        self.disk_tier_bytes = disk_tier_bytes if host_tier_bytes else 0
         self.runner_name = runner
         if debug_checks:
             enable_write_guard()  # a record written outside the ledger raises
@@ -142,7 +145,8 @@ class AllocatorActor(Actor):
             swa_free_prompt=self.swa_free_prompt,
             session_max_pages=self.session_max_pages,
             tiers=RemoteTierPort(self.ref(self.runner_name)) if self.host_tier_bytes else None,
-            host=HostTier(self.host_tier_bytes) if self.host_tier_bytes else None,
+            host=KvTier("host", self.host_tier_bytes) if self.host_tier_bytes else None,
+            disk=KvTier("disk", self.disk_tier_bytes) if self.disk_tier_bytes else None,
         )
 
     async def handle(self, msg, sender):
@@ -315,6 +319,11 @@ class AllocatorActor(Actor):
             host_tier_bytes=ledger.host.used if ledger.host is not None else 0,
             host_tier_entries=len(ledger.host.entries) if ledger.host is not None else 0,
             stored_tokens=ledger.stored_tokens(),
+            disk_tier_budget=self.disk_tier_bytes,
+            disk_tier_bytes=ledger.disk.used if ledger.disk is not None else 0,
+            disk_tier_entries=len(ledger.disk.entries) if ledger.disk is not None else 0,
+            tier_spills=c.tier_spills,
+            disk_promotes=c.disk_promotes,
         )
 
     def stats(self) -> dict[str, int | float]:

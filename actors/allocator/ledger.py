@@ -37,9 +37,12 @@ the slot then holds no record, no row and no page), and the slot's pages go to t
 before. The session's next turn promotes it: the admission matches the prefix tree as any
 request does, loads the positions the tree lacks from the entry into the pages it reserves,
 and computes only the new tokens; the entry is dropped either way (the KV is in the pool
-again, or the conversation diverged). The tier's entries fit its byte budget, least
-recently used dropped first (that session prefills what the tree lost). A failed copy falls
-back to the pool-only behaviour: a failed save keeps nothing, a failed load prefills.
+again, or the conversation diverged). The host tier's entries fit its byte budget: the
+least recently used move to the disk tier (`disk`, files the runner writes and checksums)
+or, without one, are dropped (that session prefills what the tree lost); the disk tier's
+overflow is dropped. A failed copy falls back to the pool-only behaviour: a failed save
+keeps nothing, a failed spill drops, a failed load (a missing, truncated or foreign file
+included) prefills.
 
 Prefix-cache namespaces: a request's `cache_salt` turns its token ids into keys of their
 own (`kvcore.salt`) before anything compares them for reuse (the tree, session slots).
@@ -89,7 +92,7 @@ from kvcore import (
 from kvcore.req_kv_info import ledger_writes
 from kvcore.salt import salted_tokens
 from kvcore.tiers import (
-    HostTier,
+    KvTier,
     Promotion,
     TierEntry,
     TierViolation,
@@ -181,9 +184,11 @@ class LedgerCounters:
     session_reclaims: int = 0  # idle session slots released to the tree (cap or pressure)
     tree_heals: int = 0  # dead tree pages replaced by a request's live ones
     session_demotes: int = 0  # idle session slots copied to the host tier
-    session_promotes: int = 0  # session turns that loaded their history from the host tier
-    promoted_tokens: int = 0  # positions loaded from the host tier
-    tier_drops: int = 0  # host-tier entries dropped to fit its budget
+    session_promotes: int = 0  # session turns that loaded their history from a tier
+    promoted_tokens: int = 0  # positions loaded from a tier
+    disk_promotes: int = 0  # of the promotions, those from the disk tier
+    tier_spills: int = 0  # host-tier entries moved to the disk tier to fit the host budget
+    tier_drops: int = 0  # entries dropped to fit a budget (the disk's, or the host's alone)
     tier_failures: int = 0  # saves or loads the runner failed (fell back to prefill)
 
 
@@ -211,7 +216,8 @@ class KvLedger:
     session_max_pages: int | None = None
     # The host tier below the pool (None: an idle slot's KV only goes to the tree).
     tiers: TierPort | None = None
-    host: HostTier | None = None
+    host: KvTier | None = None
+    disk: KvTier | None = None  # below the host tier (None: its overflow is dropped)
     entry_session: dict[int, str] = field(default_factory=dict)  # handle -> its session
     counters: LedgerCounters = field(default_factory=LedgerCounters)
     salts: dict[int, str] = field(default_factory=dict)  # rid -> its cache_salt (if any)
@@ -771,7 +777,7 @@ class KvLedger:
             return 0, 0
         await self._demote(sid, slot)
         pages = await self._release_slot_kv(sid, slot, cache=self.host is None)
-        stored = self.host.entries[slot.stored].length if slot.stored is not None else 0
+        stored = self._entry(slot.stored).length if slot.stored is not None else 0
         await self._fit_host_tier()
         if slot.stored is None:
             stored = 0  # the tier could not keep it
@@ -784,7 +790,7 @@ class KvLedger:
         if slot is None:
             return 0
         if slot.stored is not None:
-            return self.host.entries[slot.stored].length
+            return self._entry(slot.stored).length
         return slot.rec.kv_committed_len if slot.rec is not None else 0
 
     def session_pages(self) -> int:
@@ -856,7 +862,7 @@ class KvLedger:
         slot = self.slots.get(session)
         if slot is None or slot.stored is None:
             return None
-        entry = self.host.entries[slot.stored]
+        entry = self._entry(slot.stored)
         plan = None
         if match_prefix and len(tokens) > 1:
             prefix = common_prefix_len(entry.tokens, tokens[: len(tokens) - 1])
@@ -873,7 +879,8 @@ class KvLedger:
         failed (nothing valid was written; the caller computes those positions)."""
         ps = self.page_size
         handle = self.slots[session].stored
-        entry = self.host.entries[handle]
+        entry = self._entry(handle)
+        from_disk = self.disk is not None and handle in self.disk.entries
         swa_index = swa_slots = _NO_PAGES
         if entry.alive is not None:
             saved = entry.saved_swa_positions(ps)
@@ -894,13 +901,14 @@ class KvLedger:
             # Pages whose sliding KV the history had lost stay without it in the pool too.
             self._unmap(new_slots[plan.dead_from - cached : plan.dead_to - cached : ps] // ps)
         self.counters.session_promotes += 1
+        self.counters.disk_promotes += from_disk
         self.counters.promoted_tokens += plan.length - cached
         return True
 
     async def _drop_entry(self, handle: int) -> None:
         """Forget a host-tier entry (its session's slot names nothing after it) and have the
         store free its bytes."""
-        self.host.remove(handle)
+        self._tier_with(handle).remove(handle)
         slot = self.slots.get(self.entry_session.pop(handle))
         if slot is not None and slot.stored == handle:
             slot.stored = None
@@ -910,16 +918,48 @@ class KvLedger:
             self.counters.tier_failures += 1
 
     async def _fit_host_tier(self) -> None:
-        """Drop host-tier entries, least recently used first, until the tier fits its budget
-        (never the one an admission is loading now)."""
+        """Move host-tier entries, least recently used first, to the disk tier (or drop them
+        without one, or when the write fails) until the host tier fits its budget; then fit
+        the disk tier, dropping its least recently used. The entry an admission is loading
+        now never moves."""
         if self.host is None:
             return
         while self.host.over_budget():
             victims = [h for h in self.host.least_recent() if h != self._promoting]
             if not victims:
                 return
+            if self.disk is None or not await self._spill(victims[0]):
+                await self._drop_entry(victims[0])
+                self.counters.tier_drops += 1
+        while self.disk is not None and self.disk.over_budget():
+            victims = [h for h in self.disk.least_recent() if h != self._promoting]
+            if not victims:
+                return
             await self._drop_entry(victims[0])
             self.counters.tier_drops += 1
+
+    async def _spill(self, handle: int) -> bool:
+        """Host -> disk: the runner writes the entry's bytes to a file (checksummed) and
+        frees its host copy. False: the write failed (the entry is still in the host)."""
+        try:
+            nbytes = await self.tiers.spill(handle)
+        except Exception:  # disk full, unwritable: the caller drops the entry instead
+            self.counters.tier_failures += 1
+            return False
+        entry = self.host.remove(handle)
+        entry.nbytes = nbytes
+        self.disk.add(entry)
+        self.counters.tier_spills += 1
+        return True
+
+    def _tiers(self) -> list[KvTier]:
+        return [t for t in (self.host, self.disk) if t is not None]
+
+    def _tier_with(self, handle: int) -> KvTier:
+        return next(t for t in self._tiers() if handle in t.entries)
+
+    def _entry(self, handle: int) -> TierEntry:
+        return self._tier_with(handle).entries[handle]
 
     def _sliding_slots(self, full_slots: np.ndarray) -> np.ndarray:
         """The sliding pool's slots of these full slots (their pages are mapped)."""
@@ -928,8 +968,8 @@ class KvLedger:
         return self.swa.map[full_slots // ps] * ps + full_slots % ps
 
     def stored_tokens(self) -> int:
-        """Positions whose KV the host tier holds."""
-        return sum(e.length for e in self.host.entries.values()) if self.host else 0
+        """Positions whose KV the tiers hold."""
+        return sum(e.length for t in self._tiers() for e in t.entries.values())
 
     async def _cap_sessions(self) -> None:
         """Release idle slots, least recently used first, until they pin at most
@@ -965,7 +1005,7 @@ class KvLedger:
             swa_free_pages=self.swa.pool.free_pages() if self.swa is not None else None,
             swa_total_pages=self.swa.num_pages if self.swa is not None else 0,
             swa_window=self.window if self.swa is not None else 0,
-            host_tier=self.host,
+            tiers=self._tiers(),
             session_entries={
                 sid: s.stored for sid, s in self.slots.items() if s.stored is not None
             },
@@ -1022,7 +1062,7 @@ class KvLedger:
         entries = {sid: s.stored for sid, s in self.slots.items() if s.stored is not None}
         with_records = {sid for sid, s in self.slots.items() if s.rec is not None}
         try:
-            check_tiers(self.host, entries, with_records, store)
+            check_tiers(self._tiers(), entries, with_records, store)
         except TierViolation as exc:
             return [str(exc)]
         return []
@@ -1038,7 +1078,7 @@ class KvLedger:
         dropped = 0
         for sid, slot in self.slots.items():
             dropped += await self._release_slot_kv(sid, slot, cache=False)
-        for handle in list(self.host.entries) if self.host is not None else []:
+        for handle in [h for t in self._tiers() for h in t.entries]:
             await self._drop_entry(handle)
         if self.tree is None:
             return dropped

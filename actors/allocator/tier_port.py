@@ -23,6 +23,8 @@ from transport.messages.tiers import (
     KvLoad,
     KvSave,
     KvSaved,
+    KvSpill,
+    KvSpilled,
     KvStoreContents,
     KvStoreQuery,
 )
@@ -45,10 +47,14 @@ class TierPort(Protocol):
         """Write saved positions [start, start + len(full_slots)) back at these slots."""
         ...
 
+    async def spill(self, handle: int) -> int:
+        """Move the entry from host memory to the disk tier; the bytes it takes there."""
+        ...
+
     async def drop(self, handles: list[int]) -> None: ...
 
-    async def contents(self) -> dict[int, int]:
-        """Handle -> bytes the store holds (the per-tier audit)."""
+    async def contents(self) -> dict[int, tuple[str, int]]:
+        """Handle -> (tier, bytes) the store holds (the per-tier audit)."""
         ...
 
 
@@ -84,12 +90,16 @@ class RemoteTierPort:
             expect=Ack,
         )
 
+    async def spill(self, handle: int) -> int:
+        reply = await self.runner.call(KvSpill(handle=handle), expect=KvSpilled)
+        return reply.nbytes
+
     async def drop(self, handles: list[int]) -> None:
         await self.runner.call(KvDrop(handles=list(handles)), expect=Ack)
 
-    async def contents(self) -> dict[int, int]:
+    async def contents(self) -> dict[int, tuple[str, int]]:
         reply = await self.runner.call(KvStoreQuery(), expect=KvStoreContents)
-        return dict(zip(reply.handles, reply.nbytes))
+        return {h: (t, n) for h, t, n in zip(reply.handles, reply.tiers, reply.nbytes)}
 
 
 def _ints(a: np.ndarray) -> list[int]:

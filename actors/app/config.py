@@ -92,6 +92,12 @@ class KvSection(_Section):
     # host memory (at most this many bytes, least recently used dropped first) and loaded
     # back when its next turn arrives, instead of prefilled. 0 = no host tier.
     host_tier_bytes: int = 1 << 30
+    # The disk tier below it: what overflows the host tier is written to files under this
+    # folder (checksummed, one folder per engine process, removed when it stops) and read
+    # back on the session's next turn; at most disk_tier_bytes, least recently used dropped
+    # first. "" = no disk tier.
+    store_dir: str = ""
+    disk_tier_bytes: int = 16 << 30
 
 
 class SchedulerSection(_Section):
@@ -227,6 +233,7 @@ class EngineConfig(_Section):
             ),
             (self.sessions.max_sessions >= 0, "sessions.max_sessions must be >= 0"),
             (self.kv.host_tier_bytes >= 0, "kv.host_tier_bytes must be >= 0"),
+            (self.kv.disk_tier_bytes >= 0, "kv.disk_tier_bytes must be >= 0"),
             (
                 0.0 <= self.sessions.max_pinned_share <= 1.0,
                 "sessions.max_pinned_share must be in [0, 1]",

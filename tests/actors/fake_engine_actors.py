@@ -128,7 +128,9 @@ class FakeRunner(Actor):
                 self.store.pop(h, None)
             return Ack()
         return KvStoreContents(
-            handles=list(self.store), nbytes=[16 * len(t) for t, _ in self.store.values()]
+            handles=list(self.store),
+            nbytes=[16 * len(t) for t, _ in self.store.values()],
+            tiers=["host"] * len(self.store),
         )
 
 

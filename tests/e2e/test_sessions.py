@@ -130,12 +130,15 @@ async def test_abort_mid_turn_then_continue_gives_the_right_output(engine, token
 
 
 @pytest.mark.anyio
-async def test_sessions_demoted_to_the_host_tier_continue_exactly(tokenizer, hf_model):
-    """Idle sessions get no share of the pool (every finished turn is demoted to the host
-    tier at once) and other traffic evicts the prefix tree between turns: each next turn
-    loads its history from the host tier, answers as HF does, and reports the history
-    cached; the tier and the runner's store agree at every idle check."""
-    cfg = small_config(kv__num_pages=96, sessions__max_pinned_share=0.0)
+@pytest.mark.parametrize("tier", ["host", "disk"])
+async def test_sessions_demoted_to_a_tier_continue_exactly(tokenizer, hf_model, tier, tmp_path):
+    """Idle sessions get no share of the pool (every finished turn is demoted at once; with
+    "disk" the host tier holds nothing, so every entry is written to a file) and other
+    traffic evicts the prefix tree between turns: each next turn loads its history from the
+    tier, answers as HF does, and reports the history cached; the tiers and the runner's
+    store agree at every idle check, and the files go with the engine."""
+    disk = {"kv__host_tier_bytes": 1, "kv__store_dir": str(tmp_path)} if tier == "disk" else {}
+    cfg = small_config(kv__num_pages=96, sessions__max_pinned_share=0.0, **disk)
     params = GenerationParams(max_tokens=12, temperature=0.0)
     filler = tokenizer.encode(natural_text(), add_special_tokens=False)
     async with ServingEngine(cfg) as eng:
@@ -160,12 +163,18 @@ async def test_sessions_demoted_to_the_host_tier_continue_exactly(tokenizer, hf_
         assert kv.session_pages == 0 and kv.session_demotes == 3 and kv.session_promotes == 2
         # The tree held none of the history: what was cached came from the host tier.
         assert kv.promoted_tokens >= previous - 16, kv
-        assert kv.host_tier_entries == 1 and 0 < kv.host_tier_bytes <= kv.host_tier_budget
+        if tier == "host":
+            assert kv.host_tier_entries == 1 and 0 < kv.host_tier_bytes <= kv.host_tier_budget
+        else:
+            assert kv.host_tier_entries == 0 and kv.disk_tier_entries == 1
+            assert kv.tier_spills == 3 and kv.disk_promotes == 2
+            assert len(list(tmp_path.rglob("*.kv"))) == 1
         assert kv.stored_tokens == (await client.get_session(sid)).held_tokens > previous
         assert kv.idle_checks > 0 and kv.idle_check_failures == 0 and kv.tier_failures == 0
         await client.close_session(sid)
         kv = await settled(eng)
-        assert kv.host_tier_entries == 0 and kv.host_tier_bytes == 0
+        assert kv.host_tier_entries == kv.disk_tier_entries == kv.host_tier_bytes == 0
+    assert list(tmp_path.rglob("*.kv")) == []
 
 
 @pytest.mark.anyio

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.kv_cache import KVCache
-from kernels.kv_store import HostKvStore, MissingKv
+from kernels.kv_store import CorruptKv, HostKvStore, MissingKv
 
 PS = 4
 
@@ -46,7 +46,7 @@ def test_saved_kv_loads_back_bit_for_bit_at_other_slots():
     nbytes = store.save(7, full, swa)
     # full layer: 2 x 20 x 2 x 8; sliding layers: 5 x 2 x 8 x 2 x 8, bf16
     assert nbytes == 2 * (2 * 20 * 2 * 8 + 5 * 2 * 8 * 2 * 8)
-    assert store.sizes() == {7: nbytes}
+    assert store.sizes() == {7: ("host", nbytes)}
     # Load positions [8, 20) to pages 20..22 and sliding entries 4..7 ([16, 20)) to page 14.
     dst_full = np.arange(20 * PS, 23 * PS)
     dst_swa = np.arange(14 * PS, 15 * PS)
@@ -81,3 +81,49 @@ def test_bad_loads_are_refused_and_write_nothing():
     with pytest.raises(ValueError, match="sliding entries outside"):
         store.load(1, 0, np.arange(5 * PS, 6 * PS), np.arange(3, 5), np.arange(2))
     assert all(torch.equal(a, b) for a, b in zip(snapshot, (*cache._k, *cache._v)))
+
+
+def spilled(tmp_path, fingerprint="model-a"):
+    cache = filled_cache()
+    store = HostKvStore(cache, tmp_path / "tier", fingerprint)
+    full, swa = np.arange(2 * PS, 7 * PS), np.arange(9 * PS, 11 * PS)
+    want = (kv_at(cache, 3, full), kv_at(cache, 1, swa))
+    host_bytes = store.save(4, full, swa)
+    return cache, store, want, host_bytes
+
+
+def test_a_spilled_entry_is_a_file_that_loads_back_bit_for_bit(tmp_path):
+    cache, store, want, host_bytes = spilled(tmp_path)
+    nbytes = store.spill(4)
+    path = tmp_path / "tier" / "4.kv"
+    assert path.stat().st_size == nbytes >= host_bytes  # the tensors and a small header
+    assert store.entries == {} and store.sizes() == {4: ("disk", nbytes)}
+    dst_full, dst_swa = np.arange(20 * PS, 25 * PS), np.arange(14 * PS, 16 * PS)
+    store.load(4, 0, dst_full, np.arange(8), dst_swa)
+    assert all(torch.equal(a, b) for a, b in zip(kv_at(cache, 3, dst_full), want[0]))
+    assert all(torch.equal(a, b) for a, b in zip(kv_at(cache, 1, dst_swa), want[1]))
+    store.drop([4])
+    assert not path.exists() and store.sizes() == {}
+    store.close()
+    assert not (tmp_path / "tier").exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "other model"])
+def test_a_damaged_or_foreign_file_is_refused_and_writes_nothing(tmp_path, damage):
+    cache, store, _, _ = spilled(tmp_path)
+    store.spill(4)
+    path = tmp_path / "tier" / "4.kv"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-5] ^= 0xFF  # one byte of the last tensor
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    elif damage == "delete":
+        path.unlink()
+    else:
+        store.fingerprint = "model-b"
+    before = [t.clone() for t in (*cache._k, *cache._v)]
+    with pytest.raises(CorruptKv):
+        store.load(4, 0, np.arange(20 * PS, 25 * PS), np.arange(8), np.arange(14 * PS, 16 * PS))
+    assert all(torch.equal(a, b) for a, b in zip(before, (*cache._k, *cache._v)))

@@ -126,6 +126,7 @@ class FakeTierPort:
         self.entries: dict[int, tuple[list[np.ndarray], int]] = {}
         self.fail: set[str] = set()
         self.loads: list[tuple[int, int, int]] = []  # (handle, start, positions) per load
+        self.on_disk: set[int] = set()  # handles spilled to the "disk" tier
 
     async def save(self, handle: int, full_slots: np.ndarray, swa_slots: np.ndarray) -> int:
         if "save" in self.fail:
@@ -150,11 +151,24 @@ class FakeTierPort:
         kv.swa_pos[swa] = parts[3][index]
         self.loads.append((handle, start, len(full)))
 
+    async def spill(self, handle: int) -> int:
+        """To the 'disk': half the bytes (a compressed file, say), same contents."""
+        if "spill" in self.fail:
+            raise RuntimeError("spill failed")
+        parts, nbytes = self.entries[handle]
+        self.entries[handle] = (parts, nbytes // 2)
+        self.on_disk.add(handle)
+        return nbytes // 2
+
     async def drop(self, handles: list[int]) -> None:
         if "drop" in self.fail:
             raise RuntimeError("drop failed")
         for h in handles:
             self.entries.pop(h, None)
+            self.on_disk.discard(h)
 
-    async def contents(self) -> dict[int, int]:
-        return {h: nbytes for h, (_, nbytes) in self.entries.items()}
+    async def contents(self) -> dict[int, tuple[str, int]]:
+        return {
+            h: ("disk" if h in self.on_disk else "host", nbytes)
+            for h, (_, nbytes) in self.entries.items()
+        }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcore.tiers import HostTier, Promotion, TierEntry, TierViolation, check_tiers, plan_promotion
+from kvcore.tiers import KvTier, Promotion, TierEntry, TierViolation, check_tiers, plan_promotion
 
 PS = 4
 
@@ -54,7 +54,7 @@ def test_saved_sliding_positions_follow_the_alive_pages():
 
 
 def test_the_host_tier_counts_bytes_and_orders_by_use():
-    tier = HostTier(budget=250)
+    tier = KvTier("host", budget=250)
     tier.add(entry(1, nbytes=100, last_used=5))
     tier.add(entry(2, nbytes=100, last_used=3))
     assert tier.used == 200 and not tier.over_budget()
@@ -66,23 +66,35 @@ def test_the_host_tier_counts_bytes_and_orders_by_use():
 
 
 def test_the_checker_names_every_broken_rule():
-    tier = HostTier(budget=250)
+    tier = KvTier("host", budget=250)
     tier.add(entry(1))
     tier.add(entry(2))
-    check_tiers(tier, {"a": 1, "b": 2}, {"c"}, {1: 100, 2: 100})
+    check_tiers([tier], {"a": 1, "b": 2}, {"c"}, {1: ("host", 100), 2: ("host", 100)})
     with pytest.raises(TierViolation, match="belong to no session"):
-        check_tiers(tier, {"a": 1}, set())
+        check_tiers([tier], {"a": 1}, set())
     with pytest.raises(TierViolation, match="belongs to 'a' and 'b'"):
-        check_tiers(tier, {"a": 1, "b": 1}, set())
+        check_tiers([tier], {"a": 1, "b": 1}, set())
     with pytest.raises(TierViolation, match="not stored"):
-        check_tiers(tier, {"a": 1, "b": 2, "c": 7}, set())
+        check_tiers([tier], {"a": 1, "b": 2, "c": 7}, set())
     with pytest.raises(TierViolation, match="pool KV and a stored entry"):
-        check_tiers(tier, {"a": 1, "b": 2}, {"a"})
+        check_tiers([tier], {"a": 1, "b": 2}, {"a"})
     with pytest.raises(TierViolation, match="disagrees"):
-        check_tiers(tier, {"a": 1, "b": 2}, set(), {1: 100})
+        check_tiers([tier], {"a": 1, "b": 2}, set(), {1: ("host", 100)})
     tier.used = 150
-    with pytest.raises(TierViolation, match="counts 150 bytes"):
-        check_tiers(tier, {"a": 1, "b": 2}, set())
+    with pytest.raises(TierViolation, match="host tier counts 150 bytes"):
+        check_tiers([tier], {"a": 1, "b": 2}, set())
     tier.used, tier.budget = 200, 150
     with pytest.raises(TierViolation, match="over its 150 budget"):
-        check_tiers(tier, {"a": 1, "b": 2}, set())
+        check_tiers([tier], {"a": 1, "b": 2}, set())
+
+
+def test_an_entry_lives_in_one_tier_and_the_store_must_agree_on_which():
+    host, disk = KvTier("host", 1000), KvTier("disk", 1000)
+    host.add(entry(1))
+    disk.add(entry(2, nbytes=60))
+    check_tiers([host, disk], {"a": 1, "b": 2}, set(), {1: ("host", 100), 2: ("disk", 60)})
+    with pytest.raises(TierViolation, match="other tier or size"):
+        check_tiers([host, disk], {"a": 1, "b": 2}, set(), {1: ("host", 100), 2: ("host", 60)})
+    disk.add(entry(1))
+    with pytest.raises(TierViolation, match="in the host and disk tiers"):
+        check_tiers([host, disk], {"a": 1, "b": 2}, set())

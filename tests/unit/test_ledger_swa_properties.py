@@ -43,7 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from actors.allocator.ledger import KvLedger
 from kvcore import InvariantViolation, SwaPages, check_invariants, floor_page
-from kvcore.tiers import HostTier
+from kvcore.tiers import KvTier
 from tests.unit.ledger_driver import (
     FakeKv,
     FakeTierPort,
@@ -95,11 +95,16 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
             self.ledger.swa_free_prompt = mode == "free_prompt"
         self.kv = FakeKv(self.ledger.pool.num_slots, ps, num_swa if mode != "off" else 0)
         if tier != "off":
-            # A host tier below the pool; every idle session is demoted at once ("demote"),
-            # or under pressure only ("pressure"), into a tier that holds about one.
+            # Tiers below the pool. "pressure": idle sessions are demoted under pressure into
+            # a host tier that holds about one. "demote": every idle session is demoted at
+            # once, into a host tier that holds about half of one and a disk tier below it.
             self.ledger.tiers = FakeTierPort(self.kv)
-            self.ledger.host = HostTier(8 * 2 * self.capacity)
-            self.ledger.session_max_pages = 0 if tier == "demote" else None
+            self.ledger.host = KvTier("host", 8 * 2 * self.capacity)
+            self.ledger.session_max_pages = None
+            if tier == "demote":
+                self.ledger.host = KvTier("host", 8 * self.capacity)
+                self.ledger.disk = KvTier("disk", 8 * 2 * self.capacity)
+                self.ledger.session_max_pages = 0
         self.tokens: dict[int, np.ndarray] = {}  # live requests' known tokens
         self.match: dict[int, bool] = {}  # False: prompt logprobs (match_prefix=False)
         self.session: dict[int, str] = {}  # rid -> its session ("" for none)

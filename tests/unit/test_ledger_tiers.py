@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvcore import InvariantViolation, SwaPages, check_invariants
-from kvcore.tiers import HostTier, TierEntry
+from kvcore.tiers import KvTier, TierEntry
 from tests.unit.ledger_driver import FakeKv, FakeTierPort, make_ledger, run_sync
 
 PS, WINDOW = 4, 16
@@ -31,7 +31,7 @@ class Driver:
             self.ledger.swa_free_step = PS
         self.port = FakeTierPort(self.kv)
         self.ledger.tiers = self.port
-        self.ledger.host = HostTier(budget)
+        self.ledger.host = KvTier("host", budget)
         self.capacity = capacity
 
     def check(self) -> None:
@@ -314,3 +314,43 @@ def test_without_a_host_tier_an_offload_releases_to_the_prefix_tree():
     d.check()
     g = d.extend(2, np.concatenate([hist, toks(3, 4)]), session="s")
     assert g.cached_len == 32  # the tree's whole pages
+
+
+def with_disk(d: Driver, host_budget: int, disk_budget: int = 1 << 20) -> Driver:
+    d.ledger.host = KvTier("host", host_budget)
+    d.ledger.disk = KvTier("disk", disk_budget)
+    return d
+
+
+def test_the_host_tier_overflows_to_the_disk_tier_and_both_promote():
+    d = with_disk(Driver(), host_budget=8 * 40)  # one 35-position entry fits in the host
+    a = demoted_session(d, "a", seed=1)
+    b = demoted_session(d, "b", seed=2)
+    ha, hb = d.ledger.slots["a"].stored, d.ledger.slots["b"].stored
+    assert list(d.ledger.disk.entries) == [ha] and list(d.ledger.host.entries) == [hb]
+    assert d.port.on_disk == {ha} and d.ledger.disk.used == 8 * 35 // 2  # the file's size
+    assert d.ledger.counters.tier_spills == 1 and d.ledger.counters.tier_drops == 0
+    d.evict_tree()
+    for rid, sid, hist in ((3, "a", a), (4, "b", b)):
+        prompt = np.concatenate([hist, toks(rid, 3)])
+        g = d.extend(rid, prompt, session=sid)
+        assert g.cached_len == 35
+        d.kv.assert_row_holds(g.row, prompt, len(prompt))
+    assert d.ledger.counters.disk_promotes == 1 and d.ledger.stored_tokens() == 0
+
+
+def test_the_disk_tier_drops_its_least_recent_past_its_budget_and_a_failed_spill_drops():
+    d = with_disk(Driver(), host_budget=8 * 40, disk_budget=8 * 35 // 2)
+    demoted_session(d, "a", seed=1)
+    demoted_session(d, "b", seed=2)  # "a" spilled to disk
+    demoted_session(d, "c", seed=3)  # "b" spilled: the disk holds one, "a" is dropped
+    assert d.ledger.slots["a"].stored is None
+    assert d.ledger.slots["b"].stored in d.ledger.disk.entries
+    assert d.ledger.slots["c"].stored in d.ledger.host.entries
+    assert d.ledger.counters.tier_drops == 1
+    d.port.fail = {"spill"}
+    demoted_session(d, "e", seed=4)  # "c" cannot be written: dropped instead
+    assert d.ledger.slots["c"].stored is None and d.ledger.counters.tier_failures == 1
+    run_sync(d.ledger.drop_cache())
+    d.check()
+    assert d.port.entries == {} and d.ledger.stored_tokens() == 0

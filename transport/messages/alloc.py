@@ -145,7 +145,12 @@ class KvStats(Message):
     host_tier_budget: int = 0  # bytes (0: no host tier)
     host_tier_bytes: int = 0
     host_tier_entries: int = 0
-    stored_tokens: int = 0  # positions whose KV the host tier holds
+    stored_tokens: int = 0  # positions whose KV the tiers hold
+    disk_tier_budget: int = 0  # bytes (0: no disk tier)
+    disk_tier_bytes: int = 0
+    disk_tier_entries: int = 0
+    tier_spills: int = 0  # host-tier entries moved to the disk tier
+    disk_promotes: int = 0  # session turns that loaded their history from the disk tier
 
 
 class OpenSlot(Message):

@@ -4,7 +4,8 @@ The allocator decides and accounts (it owns every record and every tier handle);
 holds the bytes. Each move is one awaited call, made while the runner computes nothing for
 the pages it names: a save reads an idle session's pages before the allocator frees them, a
 load writes pages the allocator just reserved before the scheduler learns of them. Slots are
-physical: full-pool slots, and the sliding pool's own slots where the pools are split.
+physical: full-pool slots, and the sliding pool's own slots where the pools are split. A
+spill moves an entry from host memory to a file; a load reads either.
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ class KvLoad(Message):
     swa_slots: list[int] = []  # ... go to these sliding slots
 
 
+class KvSpill(Message):
+    """Host -> disk: write the entry to its file (checksummed) and free the host copy."""
+
+    handle: int
+
+
+class KvSpilled(Message):
+    handle: int
+    nbytes: int  # the file's size
+
+
 class KvDrop(Message):
     handles: list[int]
 
@@ -42,3 +54,4 @@ class KvStoreQuery(Message):
 class KvStoreContents(Message):
     handles: list[int]
     nbytes: list[int]
+    tiers: list[str] = []  # "host" or "disk", per handle

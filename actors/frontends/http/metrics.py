@@ -295,6 +295,21 @@ class EngineCollector(Collector):
                 host.add_metric([m, "used"], kv.host_tier_bytes)
                 host.add_metric([m, "budget"], kv.host_tier_budget)
                 yield host
+                if kv.disk_tier_budget:
+                    disk = GaugeMetricFamily(
+                        f"{OWN}kv_disk_tier_bytes",
+                        "Disk tier below the host tier: bytes of its files, and its budget",
+                        labels=["model_name", "kind"],
+                    )
+                    disk.add_metric([m, "used"], kv.disk_tier_bytes)
+                    disk.add_metric([m, "budget"], kv.disk_tier_budget)
+                    yield disk
+                    yield _gauge(
+                        f"{OWN}sessions_in_disk_tier",
+                        "Streaming sessions whose KV waits in the disk tier",
+                        m,
+                        kv.disk_tier_entries,
+                    )
                 yield _gauge(
                     f"{OWN}sessions_in_host_tier",
                     "Streaming sessions whose KV waits in the host tier",
@@ -322,6 +337,12 @@ class EngineCollector(Collector):
                         "host_tier_failures",
                         "Copies the runner failed (prefilled instead)",
                         kv.tier_failures,
+                    ),
+                    ("host_tier_spills", "Entries moved to the disk tier", kv.tier_spills),
+                    (
+                        "disk_tier_promotes",
+                        "Session turns that loaded their history from the disk tier",
+                        kv.disk_promotes,
                     ),
                 ):
                     yield _counter(f"{OWN}{name}", doc, m, value)
