@@ -19,14 +19,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
-import os
-import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anyio
+import msgspec
 import numpy as np
 import torch
 
@@ -41,12 +40,16 @@ from transport.messages.runner import ForwardBatchMsg, GrammarLoaded, LoadGramma
 from transport.messages.tiers import (
     KvDrop,
     KvLoad,
+    KvPersist,
+    KvRestore,
+    KvRestored,
     KvSave,
     KvSaved,
     KvSpill,
     KvSpilled,
     KvStoreContents,
     KvStoreQuery,
+    PersistedSession,
 )
 
 GRAMMAR_CACHE_BYTES = 256 << 20
@@ -57,7 +60,17 @@ class RegisterFailed(Exception):
 
 
 class ModelRunnerActor(Actor):
-    inbox = ForwardBatchMsg | LoadGrammar | KvSave | KvLoad | KvSpill | KvDrop | KvStoreQuery
+    inbox = (
+        ForwardBatchMsg
+        | LoadGrammar
+        | KvSave
+        | KvLoad
+        | KvSpill
+        | KvDrop
+        | KvStoreQuery
+        | KvPersist
+        | KvRestore
+    )
 
     def __init__(
         self,
@@ -129,6 +142,7 @@ class ModelRunnerActor(Actor):
         self.sampler = None
         self.kv_store = None  # kernels.kv_store.HostKvStore: the tiers' bytes
         self.store_dir = store_dir  # the disk tier's root ("": none)
+        self._adopted: list[dict] = []  # sessions a previous run persisted, until KvRestore
         self.steps = 0
         self.forward_s = 0.0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner-torch")
@@ -199,6 +213,7 @@ class ModelRunnerActor(Actor):
             swa_num_pages=self.swa_num_pages,
         )
         self.kv_store = HostKvStore(kv, *self._disk_tier(config))
+        self._adopted = self.kv_store.adopt_manifest()  # a previous run's sessions (KvRestore)
         table = ReqToTokenTable(self.max_rows + 1, self.row_capacity, device=self.device)
         options = (
             {} if self.attention_name == "torch" else {"device": self.device, "dtype": self.dtype}
@@ -240,8 +255,8 @@ class ModelRunnerActor(Actor):
                 threading.Thread(target=self._grammar_engine, daemon=True).start()
 
     def _disk_tier(self, config) -> tuple[Path | None, str]:
-        """The disk tier's folder (one per runner: `store_dir/<fingerprint>/<pid>-<rand>`)
-        and the fingerprint its files carry: the model file and the KV layout."""
+        """The disk tier's folder (`store_dir/<fingerprint>`: one engine per store_dir) and
+        the fingerprint its files carry: the model file and the KV layout."""
         model = Path(self.model_path or "embedded").expanduser()
         stat = model.stat() if model.exists() else None
         ident = (
@@ -253,8 +268,7 @@ class ModelRunnerActor(Actor):
         fingerprint = hashlib.sha256(ident.encode()).hexdigest()[:16]
         if not self.store_dir:
             return None, fingerprint
-        folder = f"{os.getpid()}-{secrets.token_hex(4)}"
-        return Path(self.store_dir).expanduser() / fingerprint / folder, fingerprint
+        return Path(self.store_dir).expanduser() / fingerprint, fingerprint
 
     def _compile(self) -> None:
         """Background: compile the small-step graph; steps switch to it once ready."""
@@ -322,6 +336,19 @@ class ModelRunnerActor(Actor):
                 np.asarray(msg.swa_slots),
             )
             return Ack()
+        if isinstance(msg, KvPersist):
+            store.write_manifest([msgspec.to_builtins(s) for s in msg.sessions])
+            return Ack()
+        if isinstance(msg, KvRestore):
+            found = []
+            for raw in self._adopted:
+                try:
+                    found.append(msgspec.convert(raw, PersistedSession))
+                except msgspec.ValidationError:
+                    pass  # its file goes with the unclaimed ones
+            self._adopted = []
+            store.claim([s.handle for s in found])
+            return KvRestored(sessions=found)
         if isinstance(msg, KvSpill):
             return KvSpilled(handle=msg.handle, nbytes=store.spill(msg.handle))
         if isinstance(msg, KvDrop):

@@ -12,6 +12,8 @@ Turn protocol (the tokenizer drives it):
 Close or idle timeout releases the slot (`CloseSlots` to the allocator); a close while a
 turn runs takes effect when that turn ends. An offload (a client's hint between turns) has
 the allocator move the slot's KV out of the pool now, to the host tier when there is one.
+With a disk tier, a drain persists the idle sessions (their KV to files, their facts in the
+runner's manifest) and the next start takes them back before answering about any session.
 
 Session ids are never logged nor echoed in refusals: a log line holds `_tag(id)`, a short
 hash that names a session across lines without letting anyone address it.
@@ -33,6 +35,10 @@ from transport.messages.alloc import (
     OffloadSlot,
     OffloadSlotReply,
     OpenSlot,
+    PersistSlots,
+    PersistSlotsReply,
+    RestoreSlots,
+    RestoreSlotsReply,
     SlotStats,
     SlotStatsRequest,
 )
@@ -49,8 +55,13 @@ from transport.messages.sessions import (
     GetSession,
     OffloadSession,
     OpenSession,
+    PersistSessions,
     SessionInfo,
+    SessionsPersisted,
 )
+from transport.messages.tiers import PersistedSession
+
+RESTORE_TIMEOUT_S = 300.0  # persisting or restoring many sessions' files, a runner loading
 
 
 @dataclass
@@ -66,7 +77,15 @@ class Session:
 
 
 class SessionsActor(Actor):
-    inbox = OpenSession | GetSession | CloseSession | OffloadSession | BeginTurn | EndTurn
+    inbox = (
+        OpenSession
+        | GetSession
+        | CloseSession
+        | OffloadSession
+        | BeginTurn
+        | EndTurn
+        | PersistSessions
+    )
 
     def __init__(
         self,
@@ -86,12 +105,63 @@ class SessionsActor(Actor):
         self.sessions: dict[str, Session] = {}
         self.opened = 0
         self.timed_out = 0
+        self._restored: anyio.Event | None = None  # set once a previous run's are taken back
 
     async def on_start(self) -> None:
         self.alloc = self.ref(self.allocator_name)
+        self._restored = anyio.Event()
+        self.spawn(self._restore)
         self.spawn(self._reaper)
 
+    async def _restore(self) -> None:
+        """Take back the sessions a previous run persisted on drain (their KV on disk, with
+        a kv.store_dir): each idle, as it was, its idle timeout starting now."""
+        try:
+            reply = await self.alloc.call(
+                RestoreSlots(), expect=RestoreSlotsReply, timeout=RESTORE_TIMEOUT_S
+            )
+            now = time.monotonic()
+            for p in reply.sessions:
+                if p.session_id not in self.sessions:
+                    self.sessions[p.session_id] = Session(
+                        id=p.session_id,
+                        ttl_s=p.ttl_s,
+                        max_tokens=p.max_tokens,
+                        last_used=now,
+                        turns=p.turns,
+                        tokens=p.tokens,
+                    )
+            if reply.sessions:
+                self.log.info("sessions restored", sessions=len(reply.sessions))
+        finally:
+            self._restored.set()
+
+    async def _persist(self) -> SessionsPersisted:
+        """Drain: the idle sessions' KV to disk, to be found by the next start."""
+        idle = [s for s in self.sessions.values() if s.busy_rid is None and not s.close_pending]
+        metas = [
+            PersistedSession(
+                session_id=s.id,
+                ttl_s=s.ttl_s,
+                max_tokens=s.max_tokens,
+                turns=s.turns,
+                tokens=s.tokens,
+            )
+            for s in idle
+        ]
+        reply = await self.alloc.call(
+            PersistSlots(sessions=metas), expect=PersistSlotsReply, timeout=RESTORE_TIMEOUT_S
+        )
+        self.log.info("sessions persisted", sessions=reply.persisted, idle=len(idle))
+        return SessionsPersisted(persisted=reply.persisted)
+
     async def handle(self, msg, sender):
+        if self._restored is not None and not self._restored.is_set():
+            # A previous run's sessions are being taken back: their ids answer once it ends.
+            with anyio.move_on_after(RESTORE_TIMEOUT_S):
+                await self._restored.wait()
+        if isinstance(msg, PersistSessions):
+            return await self._persist()
         if isinstance(msg, BeginTurn):
             return self._begin_turn(msg)
         if isinstance(msg, EndTurn):

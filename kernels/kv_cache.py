@@ -32,6 +32,8 @@ from torch import Tensor
 
 from kernels.host_staging import HostStaging
 
+COPY_CHUNK = 4096  # slots per device copy when KV moves to or from a tier
+
 
 class KVCache:
     """K and V tensors per layer: [num_slots, num_kv_heads, head_dim] (sliding layers:
@@ -138,7 +140,12 @@ class KVCache:
         for which, slots in enumerate((full_slots, swa_slots)[: len(self._k)]):
             idx = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.device)
             for t in (self._k[which], self._v[which]):
-                out.append(t.index_select(1, idx).to("cpu", copy=True))
+                # In chunks: the device holds one chunk's copy at a time, never the entry's.
+                chunks = [
+                    t.index_select(1, idx[i : i + COPY_CHUNK]).to("cpu", copy=True)
+                    for i in range(0, idx.numel(), COPY_CHUNK)
+                ]
+                out.append(torch.cat(chunks, dim=1) if chunks else t[:, :0].to("cpu"))
         return out
 
     def write_slots(
@@ -150,10 +157,14 @@ class KVCache:
             idx = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.device)
             if idx.numel() == 0:
                 continue
-            for t, part in zip((self._k[which], self._v[which]), parts[2 * which : 2 * which + 2]):
+            pairs = list(zip((self._k[which], self._v[which]), parts[2 * which : 2 * which + 2]))
+            for _, part in pairs:
                 if part.shape[1] != idx.numel():
                     raise ValueError(f"{part.shape[1]} saved positions for {idx.numel()} slots")
-                t.index_copy_(1, idx, part.to(self.device, self.dtype))
+            for t, part in pairs:
+                for i in range(0, idx.numel(), COPY_CHUNK):
+                    chunk = part[:, i : i + COPY_CHUNK].to(self.device, self.dtype)
+                    t.index_copy_(1, idx[i : i + COPY_CHUNK], chunk)
 
     def paged(self, layer: int) -> tuple[Tensor, Tensor]:
         """K and V of `layer` viewed as [pages, page_size, num_kv_heads, head_dim]."""

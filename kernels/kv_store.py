@@ -13,6 +13,11 @@ bytes) and frees the host copy; a load of a spilled entry reads and verifies it 
 file is written beside and renamed into place, so a crash never leaves a half file under
 the final name.
 
+On drain the runner writes a manifest (`sessions.json`: the sessions whose entries are on
+disk, with what the ledger needs to take them back) and the files it lists survive the
+process; the next start on the same folder adopts them (`adopt_manifest`) and deletes
+everything else there. Without a manifest, a stopping store deletes its folder.
+
 The store never decides anything: an unknown handle, or a file that is missing, truncated,
 altered or from another model, is an error the caller turns into a prefill (never into wrong
 KV), and every entry's tier and size are reported so the ledger's count can be audited.
@@ -21,6 +26,7 @@ KV), and every entry's tier and size are reported so the ledger's count can be a
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -35,6 +41,8 @@ from torch import Tensor
 from kernels.kv_cache import KVCache
 
 FILE_FORMAT = "kvactor-kv-1"
+MANIFEST_FORMAT = "kvactor-sessions-1"
+MANIFEST = "sessions.json"
 
 
 class MissingKv(KeyError):
@@ -69,6 +77,8 @@ class HostKvStore:
         self.on_disk: dict[int, int] = {}  # spilled handle -> its file's bytes
         self.disk_dir = disk_dir
         self.fingerprint = fingerprint
+        self.persisted: set[int] = set()  # handles a drain's manifest keeps for the next start
+        self.adopted: dict[int, int] = {}  # a previous run's files, until the ledger claims them
 
     def save(self, handle: int, full_slots: np.ndarray, swa_slots: np.ndarray) -> int:
         """Copy the KV at these slots (full positions [0, n) in order; the sliding pool's
@@ -155,10 +165,68 @@ class HostKvStore:
         out.update({h: ("disk", n) for h, n in self.on_disk.items()})
         return out
 
+    def write_manifest(self, sessions: list[dict]) -> None:
+        """Drain: these spilled entries (each a dict naming its `handle`) are to be found
+        again by the next start on this folder; at close every other file goes."""
+        keep = {int(s["handle"]) for s in sessions}
+        missing = sorted(keep - set(self.on_disk))
+        if missing:
+            raise MissingKv(f"handles {missing[:8]} are not on disk")
+        body = {"format": MANIFEST_FORMAT, "fingerprint": self.fingerprint, "sessions": sessions}
+        partial = self.disk_dir / (MANIFEST + ".partial")
+        self.disk_dir.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(body))
+        os.replace(partial, self.disk_dir / MANIFEST)
+        self.persisted = keep
+
+    def adopt_manifest(self) -> list[dict]:
+        """Start: the sessions a previous run's manifest lists whose files are here (held
+        aside until `claim` makes them spilled entries; the manifest is consumed), and every
+        other file in the folder deleted. A manifest of another format or fingerprint adopts
+        nothing."""
+        if self.disk_dir is None or not self.disk_dir.exists():
+            return []
+        path = self.disk_dir / MANIFEST
+        sessions: list[dict] = []
+        try:
+            body = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError):
+            body = {}
+        if body.get("format") == MANIFEST_FORMAT and body.get("fingerprint") == self.fingerprint:
+            for s in body.get("sessions", []):
+                file = self._path(int(s["handle"]))
+                if file.exists():
+                    self.adopted[int(s["handle"])] = file.stat().st_size
+                    sessions.append(s)
+        path.unlink(missing_ok=True)
+        for file in self.disk_dir.iterdir():
+            adopted = file.suffix == ".kv" and file.stem.isdigit()
+            adopted = adopted and int(file.stem) in self.adopted
+            if file.is_file() and not adopted:
+                file.unlink(missing_ok=True)
+        return sessions
+
+    def claim(self, handles: list[int]) -> None:
+        """These adopted entries are the ledger's now (spilled entries as any); the other
+        adopted files are deleted."""
+        for h in handles:
+            if h in self.adopted:
+                self.on_disk[h] = self.adopted.pop(h)
+        for h in self.adopted:
+            self._path(h).unlink(missing_ok=True)
+        self.adopted.clear()
+
     def close(self) -> None:
-        """Delete the disk tier's folder (its files die with the process that wrote them)."""
-        if self.disk_dir is not None:
-            shutil.rmtree(self.disk_dir, ignore_errors=True)
+        """The process ends: without a manifest the disk tier's files die with it; with one,
+        the files it lists stay for the next start and every other goes."""
+        if self.disk_dir is not None and self.disk_dir.exists():
+            if not self.persisted:
+                shutil.rmtree(self.disk_dir, ignore_errors=True)
+            else:
+                for file in self.disk_dir.iterdir():
+                    listed = file.suffix == ".kv" and file.stem.isdigit()
+                    if file.name != MANIFEST and not (listed and int(file.stem) in self.persisted):
+                        file.unlink(missing_ok=True)
         self.on_disk.clear()
 
     def _path(self, handle: int) -> Path:

@@ -9,6 +9,7 @@ mutating message.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 
 from actors.allocator.ledger import KvLedger, SlotDelta, SwaMapDelta
@@ -17,7 +18,7 @@ from actors.allocator.tier_port import RemoteTierPort
 from actors.runtime import Actor
 from kvcore import InvariantViolation, PagePool, ReqToTokenTable, SwaPages
 from kvcore.req_kv_info import enable_write_guard
-from kvcore.tiers import KvTier
+from kvcore.tiers import KvTier, TierEntry
 from transport.messages.alloc import (
     AllocDecode,
     AllocDecodeReply,
@@ -38,8 +39,12 @@ from transport.messages.alloc import (
     OffloadSlot,
     OffloadSlotReply,
     OpenSlot,
+    PersistSlots,
+    PersistSlotsReply,
     ReleaseBatch,
     ReleaseKind,
+    RestoreSlots,
+    RestoreSlotsReply,
     SlotDeltas,
     SlotStats,
     SlotStatsRequest,
@@ -84,6 +89,8 @@ class AllocatorActor(Actor):
         | CloseSlots
         | SlotStatsRequest
         | OffloadSlot
+        | PersistSlots
+        | RestoreSlots
     )
 
     def __init__(
@@ -135,6 +142,9 @@ class AllocatorActor(Actor):
             if self.radix_name
             else None
         )
+        self.port_tiers = (
+            RemoteTierPort(self.ref(self.runner_name)) if self.host_tier_bytes else None
+        )
         self.ledger = KvLedger(
             self.pool,
             self.table,
@@ -144,7 +154,7 @@ class AllocatorActor(Actor):
             swa_free_step=self.swa_free_step,
             swa_free_prompt=self.swa_free_prompt,
             session_max_pages=self.session_max_pages,
-            tiers=RemoteTierPort(self.ref(self.runner_name)) if self.host_tier_bytes else None,
+            tiers=self.port_tiers,
             host=KvTier("host", self.host_tier_bytes) if self.host_tier_bytes else None,
             disk=KvTier("disk", self.disk_tier_bytes) if self.disk_tier_bytes else None,
         )
@@ -180,6 +190,10 @@ class AllocatorActor(Actor):
             reply = None
         elif isinstance(msg, CloseSlots):
             reply = CloseSlotsReply(pages=await ledger.close_slots(list(msg.session_ids)))
+        elif isinstance(msg, PersistSlots):
+            reply = await self._persist(msg)
+        elif isinstance(msg, RestoreSlots):
+            reply = await self._restore()
         elif isinstance(msg, OffloadSlot):
             pages, stored = await ledger.offload_slot(msg.session_id)
             reply = OffloadSlotReply(pages=pages, stored_tokens=stored)
@@ -222,6 +236,51 @@ class AllocatorActor(Actor):
                     )
                 )
         return AllocExtendReply(grants=grants, deltas=pack_deltas(deltas))
+
+    async def _persist(self, msg: PersistSlots) -> PersistSlotsReply:
+        """Drain: the idle sessions' KV to the disk tier, and the runner's manifest of them
+        (a restart with the same kv.store_dir finds them)."""
+        if self.ledger.disk is None:
+            return PersistSlotsReply(persisted=0)
+        meta = {s.session_id: s for s in msg.sessions}
+        kept = await self.ledger.persist_sessions(list(meta))
+        sessions = [
+            msgspec.structs.replace(
+                meta[sid],
+                handle=entry.handle,
+                tokens_keys=entry.tokens.tolist(),
+                alive=entry.alive.tolist() if entry.alive is not None else [],
+                nbytes=entry.nbytes,
+            )
+            for sid, entry in kept
+        ]
+        await self.port_tiers.persist(sessions)
+        self.log.info("sessions persisted", sessions=len(sessions), of_idle=len(meta))
+        return PersistSlotsReply(persisted=len(sessions))
+
+    async def _restore(self) -> RestoreSlotsReply:
+        """Start: the sessions a previous run persisted, as slots naming disk-tier entries."""
+        if self.ledger.disk is None:
+            return RestoreSlotsReply(sessions=[])
+        found = await self.port_tiers.restore()
+        entries = [
+            (
+                s.session_id,
+                TierEntry(
+                    s.handle,
+                    np.asarray(s.tokens_keys, dtype=np.int64),
+                    np.asarray(s.alive, dtype=bool) if s.alive else None,
+                    s.nbytes,
+                ),
+            )
+            for s in found
+        ]
+        refused = self.ledger.restore_sessions(entries)
+        if refused:
+            await self.port_tiers.drop(refused)
+        kept = [s for s in found if s.handle not in set(refused)]
+        self.log.info("sessions restored", sessions=len(kept), refused=len(refused))
+        return RestoreSlotsReply(sessions=kept)
 
     def _check_commits(self, commits: list[DraftCommit]) -> dict[int, int]:
         """rid -> accepted positions, every commit checked (`LedgerError` changes nothing)."""

@@ -68,6 +68,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -226,7 +227,10 @@ class KvLedger:
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
     _restoring: str | None = None  # the session whose slot an admission is moving now
     _promoting: int | None = None  # the entry an admission is loading now (never dropped)
-    _handles: itertools.count = field(default_factory=lambda: itertools.count(1))
+    # Tier handles, unique per process (a restarted allocator never reuses a live one).
+    _handles: itertools.count = field(
+        default_factory=lambda: itertools.count(secrets.randbits(40) << 8)
+    )
 
     @property
     def page_size(self) -> int:
@@ -776,12 +780,62 @@ class KvLedger:
         if slot is None or slot.rec is None or slot.turn is not None:
             return 0, 0
         await self._demote(sid, slot)
-        pages = await self._release_slot_kv(sid, slot, cache=self.host is None)
-        stored = self._entry(slot.stored).length if slot.stored is not None else 0
         await self._fit_host_tier()
-        if slot.stored is None:
-            stored = 0  # the tier could not keep it
+        # Freed, not cached, only when a tier holds it: otherwise the tree keeps what it can.
+        pages = await self._release_slot_kv(sid, slot, cache=slot.stored is None)
+        stored = self._entry(slot.stored).length if slot.stored is not None else 0
         return pages, stored
+
+    @_ledger_op
+    async def persist_sessions(self, sessions: list[str]) -> list[tuple[str, TierEntry]]:
+        """On drain: move these idle sessions' KV to the disk tier (demoted, spilled; their
+        pool pages freed) so a restart finds it. The sessions whose entry is on disk now,
+        with it; a session running a turn, or whose KV cannot be written, is left out."""
+        if self.host is None or self.disk is None:
+            return []
+        for sid in sessions:
+            slot = self.slots.get(sid)
+            if slot is None or slot.turn is not None:
+                continue
+            if slot.rec is not None:
+                await self._demote(sid, slot)
+                await self._release_slot_kv(sid, slot, cache=False)
+            if slot.stored is not None and slot.stored in self.host.entries:
+                if not await self._spill(slot.stored):
+                    await self._drop_entry(slot.stored)
+        await self._fit_host_tier()  # the disk tier's budget
+        out = []
+        for sid in sessions:
+            slot = self.slots.get(sid)
+            if slot is not None and slot.turn is None and slot.stored in self.disk.entries:
+                out.append((sid, self.disk.entries[slot.stored]))
+        return out
+
+    @_ledger_op
+    def restore_sessions(self, persisted: list[tuple[str, TierEntry]]) -> list[int]:
+        """At start: a previous run's persisted sessions, each a slot naming its disk-tier
+        entry (its next turn promotes it as any). Entries that do not fit the disk budget,
+        or name a session or handle in use, are not taken: their handles are returned (the
+        caller has the store delete them)."""
+        refused = []
+        for sid, entry in persisted:
+            taken = any(entry.handle in t.entries for t in self._tiers())
+            if (
+                self.disk is None
+                or taken
+                or sid in self.slots
+                or self.disk.used + entry.nbytes > self.disk.budget
+            ):
+                refused.append(entry.handle)
+                continue
+            entry.last_used = next(self._clock)
+            self.disk.add(entry)
+            self.entry_session[entry.handle] = sid
+            self.slots[sid] = SessionSlot(stored=entry.handle, last_used=entry.last_used)
+        in_use = [h for t in self._tiers() for h in t.entries]
+        handles = in_use + [entry.handle for _, entry in persisted]
+        self._handles = itertools.count(max(handles, default=0) + 1)
+        return refused
 
     def slot_tokens(self, sid: str) -> int:
         """Tokens whose KV session `sid` holds now, in the pool or the host tier (0: none,
@@ -905,16 +959,18 @@ class KvLedger:
         self.counters.promoted_tokens += plan.length - cached
         return True
 
-    async def _drop_entry(self, handle: int) -> None:
-        """Forget a host-tier entry (its session's slot names nothing after it) and have the
-        store free its bytes."""
+    async def _drop_entry(self, handle: int, tell_store: bool = True) -> None:
+        """Forget a tier entry (its session's slot names nothing after it) and have the
+        store free its bytes (a message the store answers nothing to)."""
         self._tier_with(handle).remove(handle)
         slot = self.slots.get(self.entry_session.pop(handle))
         if slot is not None and slot.stored == handle:
             slot.stored = None
+        if not tell_store:
+            return
         try:
             await self.tiers.drop([handle])
-        except Exception:  # a lost store (restarted runner) holds nothing; the audit tells
+        except Exception:  # a lost store holds nothing; the idle audit repairs the rest
             self.counters.tier_failures += 1
 
     async def _fit_host_tier(self) -> None:
@@ -1053,19 +1109,35 @@ class KvLedger:
         return problems
 
     async def _tier_problems(self, audit_store: bool) -> list[str]:
+        """The tiers' check; with `audit_store`, the runner's store against the ledger, which
+        is the truth: bytes the store holds under handles the ledger forgot (a save that
+        outlived its timeout, a lost drop) are freed, and an entry whose bytes the store lost
+        is dropped (its session prefills). Either is reported."""
         store = None
+        problems: list[str] = []
         if audit_store:
             try:
                 store = await self.tiers.contents()
             except Exception as exc:  # reported, not raised: the check names what is wrong
                 return [f"the runner's KV store did not answer the audit: {exc}"]
+            known = {h for t in self._tiers() for h in t.entries}
+            stray = sorted(set(store) - known)
+            lost = sorted(known - set(store))
+            if stray:
+                problems.append(f"the runner's store held forgotten entries {stray[:8]}; freed")
+                await self.tiers.drop(stray)
+            for handle in lost:
+                await self._drop_entry(handle, tell_store=False)
+            if lost:
+                problems.append(f"the runner's store lost entries {lost[:8]}; dropped")
+            store = {h: v for h, v in store.items() if h in known and h not in lost}
         entries = {sid: s.stored for sid, s in self.slots.items() if s.stored is not None}
         with_records = {sid for sid, s in self.slots.items() if s.rec is not None}
         try:
             check_tiers(self._tiers(), entries, with_records, store)
         except TierViolation as exc:
-            return [str(exc)]
-        return []
+            problems.append(str(exc))
+        return problems
 
     @_ledger_op
     async def drop_cache(self) -> int:
@@ -1079,7 +1151,8 @@ class KvLedger:
         for sid, slot in self.slots.items():
             dropped += await self._release_slot_kv(sid, slot, cache=False)
         for handle in [h for t in self._tiers() for h in t.entries]:
-            await self._drop_entry(handle)
+            # The store went with the runner: forget the entry, ask nobody.
+            await self._drop_entry(handle, tell_store=False)
         if self.tree is None:
             return dropped
         freed = await self.tree.evict(self.pool.num_pages)

@@ -21,12 +21,16 @@ from transport.messages.control import Ack
 from transport.messages.tiers import (
     KvDrop,
     KvLoad,
+    KvPersist,
+    KvRestore,
+    KvRestored,
     KvSave,
     KvSaved,
     KvSpill,
     KvSpilled,
     KvStoreContents,
     KvStoreQuery,
+    PersistedSession,
 )
 
 
@@ -59,15 +63,24 @@ class TierPort(Protocol):
 
 
 class RemoteTierPort:
-    """A TierPort over the model runner actor."""
+    """A TierPort over the model runner actor; also the drain's manifest and the start's
+    restore (`persist`, `restore`), which wait up to `persist_timeout_s` (a runner still
+    loading its weights at start)."""
 
-    def __init__(self, runner: ActorRef) -> None:
+    def __init__(
+        self, runner: ActorRef, copy_timeout_s: float = 60.0, persist_timeout_s: float = 300.0
+    ) -> None:
         self.runner = runner
+        # A copy waits behind at most the runner's current step; a runner that died meanwhile
+        # must not hold the allocator (and so every step) for the default call timeout.
+        self.copy_timeout_s = copy_timeout_s
+        self.persist_timeout_s = persist_timeout_s
 
     async def save(self, handle: int, full_slots: np.ndarray, swa_slots: np.ndarray) -> int:
         reply = await self.runner.call(
             KvSave(handle=handle, full_slots=_ints(full_slots), swa_slots=_ints(swa_slots)),
             expect=KvSaved,
+            timeout=self.copy_timeout_s,
         )
         return reply.nbytes
 
@@ -88,17 +101,34 @@ class RemoteTierPort:
                 swa_slots=_ints(swa_slots),
             ),
             expect=Ack,
+            timeout=self.copy_timeout_s,
         )
 
     async def spill(self, handle: int) -> int:
-        reply = await self.runner.call(KvSpill(handle=handle), expect=KvSpilled)
+        reply = await self.runner.call(
+            KvSpill(handle=handle), expect=KvSpilled, timeout=self.copy_timeout_s
+        )
         return reply.nbytes
 
     async def drop(self, handles: list[int]) -> None:
-        await self.runner.call(KvDrop(handles=list(handles)), expect=Ack)
+        """Fire and forget: a drop the runner misses leaves bytes the idle audit frees."""
+        await self.runner.send(KvDrop(handles=list(handles)))
+
+    async def persist(self, sessions: list[PersistedSession]) -> None:
+        await self.runner.call(
+            KvPersist(sessions=sessions), expect=Ack, timeout=self.persist_timeout_s
+        )
+
+    async def restore(self) -> list[PersistedSession]:
+        reply = await self.runner.call(
+            KvRestore(), expect=KvRestored, timeout=self.persist_timeout_s
+        )
+        return list(reply.sessions)
 
     async def contents(self) -> dict[int, tuple[str, int]]:
-        reply = await self.runner.call(KvStoreQuery(), expect=KvStoreContents)
+        reply = await self.runner.call(
+            KvStoreQuery(), expect=KvStoreContents, timeout=self.copy_timeout_s
+        )
         return {h: (t, n) for h, t, n in zip(reply.handles, reply.tiers, reply.nbytes)}
 
 

@@ -93,9 +93,9 @@ class KvSection(_Section):
     # back when its next turn arrives, instead of prefilled. 0 = no host tier.
     host_tier_bytes: int = 1 << 30
     # The disk tier below it: what overflows the host tier is written to files under this
-    # folder (checksummed, one folder per engine process, removed when it stops) and read
-    # back on the session's next turn; at most disk_tier_bytes, least recently used dropped
-    # first. "" = no disk tier.
+    # folder (checksummed; one engine per folder) and read back on the session's next turn;
+    # at most disk_tier_bytes, least recently used dropped first. A drain (SIGTERM) writes
+    # the idle sessions there and the next start on the folder takes them back. "" = none.
     store_dir: str = ""
     disk_tier_bytes: int = 16 << 30
 

@@ -26,6 +26,7 @@ from transport.messages.engine import (
     SchedulerStatsRequest,
     StopAccepting,
 )
+from transport.messages.sessions import PersistSessions, SessionsPersisted
 
 _log = get_logger("serve")
 
@@ -98,7 +99,23 @@ class ServingEngine:
                 )
             await anyio.sleep(0.5)  # the frontends write those errors out
         _log.info("drained", ended_with_error=open_streams)
+        await self._persist_sessions()
         return open_streams
+
+    async def _persist_sessions(self) -> None:
+        """With a disk tier (kv.store_dir), the idle sessions' KV goes to files the next
+        start on the same folder takes back."""
+        if "sessions" not in {s.name for s in self.system.specs}:
+            return
+        try:
+            reply = await self.system.ref("sessions").call(
+                PersistSessions(), expect=SessionsPersisted, timeout=300.0
+            )
+        except Exception as exc:  # a drain goes on: those sessions prefill after the restart
+            _log.error("sessions not persisted", error=f"{type(exc).__name__}: {exc}")
+            return
+        if reply.persisted:
+            _log.info("sessions persisted", sessions=reply.persisted)
 
     async def _open_streams(self, names: list[str]) -> int:
         total = 0

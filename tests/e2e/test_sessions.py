@@ -178,6 +178,39 @@ async def test_sessions_demoted_to_a_tier_continue_exactly(tokenizer, hf_model, 
 
 
 @pytest.mark.anyio
+async def test_sessions_survive_a_drain_and_a_restart_on_the_same_store(
+    tokenizer, hf_model, tmp_path
+):
+    """With kv.store_dir, a drain writes the idle sessions' KV to files and a manifest; the
+    next engine on the same folder takes them back: the session answers under its id, with
+    its turns, and its next turn loads the history from disk and answers as HF does."""
+    cfg = small_config(kv__num_pages=96, kv__store_dir=str(tmp_path))
+    params = GenerationParams(max_tokens=10, temperature=0.0)
+    messages: list[ChatMessage] = []
+    async with ServingEngine(cfg) as eng:
+        sid = (await eng.client.open_session(ttl_s=600)).session_id
+        for question in QUESTIONS[:2]:
+            messages.append(ChatMessage(role="user", content=question))
+            res = await eng.client.complete(params, messages=list(messages), session_id=sid)
+            messages.append(ChatMessage(role="assistant", content=res.text))
+        held = (await eng.client.get_session(sid)).held_tokens
+        await eng.drain(5.0)
+    assert len(list(tmp_path.rglob("*.kv"))) == 1 and len(list(tmp_path.rglob("sessions.json")))
+    async with ServingEngine(cfg) as eng:
+        info = await eng.client.get_session(sid)
+        assert (info.turns, info.held_tokens) == (2, held)
+        messages.append(ChatMessage(role="user", content=QUESTIONS[2]))
+        ids = (await eng.client.tokenize(messages=messages)).tokens
+        res = await eng.client.complete(params, messages=list(messages), session_id=sid)
+        assert res.token_ids == hf_greedy(hf_model, ids, 10, tokenizer.eos_ids)
+        assert res.cached_tokens >= 0.9 * held, (res.cached_tokens, held)
+        kv = await settled(eng)
+        assert kv.disk_promotes == 1 and kv.idle_check_failures == 0
+    # No drain this time: the files went with the engine.
+    assert list(tmp_path.rglob("*.kv")) == [] and list(tmp_path.rglob("sessions.json")) == []
+
+
+@pytest.mark.anyio
 async def test_session_refusals(engine):
     client = engine.client
     with pytest.raises(GenerationError) as unknown:

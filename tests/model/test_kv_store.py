@@ -127,3 +127,35 @@ def test_a_damaged_or_foreign_file_is_refused_and_writes_nothing(tmp_path, damag
     with pytest.raises(CorruptKv):
         store.load(4, 0, np.arange(20 * PS, 25 * PS), np.arange(8), np.arange(14 * PS, 16 * PS))
     assert all(torch.equal(a, b) for a, b in zip(before, (*cache._k, *cache._v)))
+
+
+def test_a_manifest_keeps_listed_files_for_the_next_store_and_nothing_else(tmp_path):
+    cache, store, want, _ = spilled(tmp_path)
+    store.spill(4)
+    store.save(5, np.arange(PS, 2 * PS), np.zeros(0, np.int64))
+    store.spill(5)
+    store.write_manifest([{"handle": 4, "session_id": "s"}])
+    store.close()  # 5 was not listed: deleted; 4 and the manifest stay
+    folder = tmp_path / "tier"
+    assert sorted(p.name for p in folder.iterdir()) == ["4.kv", "sessions.json"]
+    (folder / "junk.partial").write_bytes(b"x")
+    nxt = HostKvStore(cache, folder, "model-a")
+    assert nxt.adopt_manifest() == [{"handle": 4, "session_id": "s"}]
+    assert nxt.sizes() == {}  # adopted, not the ledger's until claimed
+    assert sorted(p.name for p in folder.iterdir()) == ["4.kv"]  # the manifest is consumed
+    nxt.claim([4])
+    dst = np.arange(20 * PS, 25 * PS)
+    nxt.load(4, 0, dst, np.arange(8), np.arange(14 * PS, 16 * PS))
+    assert all(torch.equal(a, b) for a, b in zip(kv_at(cache, 3, dst), want[0]))
+    nxt.close()  # no manifest this time: the folder goes
+    assert not folder.exists()
+
+
+def test_another_models_manifest_adopts_nothing_and_its_files_go(tmp_path):
+    _, store, _, _ = spilled(tmp_path)
+    store.spill(4)
+    store.write_manifest([{"handle": 4}])
+    store.close()
+    other = HostKvStore(filled_cache(), tmp_path / "tier", "model-b")
+    assert other.adopt_manifest() == []
+    assert list((tmp_path / "tier").iterdir()) == []

@@ -600,6 +600,9 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
             return
         run_sync(self.ledger.drop_cache())
         self.history.clear()
+        if self.ledger.host is not None:  # drop_cache follows a runner restart: a fresh store
+            self.ledger.tiers.entries.clear()
+            self.ledger.tiers.on_disk.clear()
 
     # -- rules: sessions --
     @rule(sid=st.sampled_from(SESSIONS))

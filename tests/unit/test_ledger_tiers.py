@@ -206,9 +206,12 @@ def test_close_and_drop_cache_free_the_entries():
     assert run_sync(d.ledger.close_slots(["a"])) == 0  # no pool page: it held none
     d.check()
     assert list(d.ledger.host.entries) == [d.ledger.slots["b"].stored]
+    # drop_cache follows a runner restart: the store went with it; nobody is asked.
     run_sync(d.ledger.drop_cache())
+    assert len(d.port.entries) == 1
+    d.port.entries.clear()  # the restarted runner's store
     d.check()
-    assert d.ledger.host.entries == {} and d.port.entries == {} and d.ledger.host.used == 0
+    assert d.ledger.host.entries == {} and d.ledger.host.used == 0
 
 
 def test_a_refused_promotion_keeps_the_entry_for_the_retry():
@@ -283,8 +286,16 @@ def test_the_checker_names_a_tier_entry_no_session_owns_and_a_store_that_disagre
     with pytest.raises(InvariantViolation, match="belong to no session"):
         check_invariants(run_sync(d.ledger.snapshot()))
     d.ledger.host.remove(999)
-    d.port.entries.clear()  # the runner lost its store
-    assert "disagrees" in run_sync(d.ledger.idle_problems(audit_store=True))[0]
+    # The ledger is the truth: bytes it forgot are freed, entries the store lost dropped.
+    (lost,) = d.port.entries
+    d.port.entries[12345] = ([], 8)  # a save that outlived its timeout
+    del d.port.entries[lost]
+    problems = run_sync(d.ledger.idle_problems(audit_store=True))
+    assert "forgotten entries [12345]; freed" in problems[0], problems
+    assert f"lost entries [{lost}]; dropped" in problems[1], problems
+    assert d.port.entries == {} and d.ledger.host.entries == {} and d.ledger.host.used == 0
+    assert d.ledger.slots["s"].stored is None
+    assert run_sync(d.ledger.idle_problems(audit_store=True)) == []
 
 
 def test_an_offload_hint_moves_an_idle_session_out_of_the_pool_at_once():
@@ -352,5 +363,35 @@ def test_the_disk_tier_drops_its_least_recent_past_its_budget_and_a_failed_spill
     demoted_session(d, "e", seed=4)  # "c" cannot be written: dropped instead
     assert d.ledger.slots["c"].stored is None and d.ledger.counters.tier_failures == 1
     run_sync(d.ledger.drop_cache())
+    d.port.entries.clear()  # the restarted runner's store
     d.check()
-    assert d.port.entries == {} and d.ledger.stored_tokens() == 0
+    assert d.ledger.stored_tokens() == 0
+
+
+def test_a_drain_persists_idle_sessions_to_disk_and_a_new_ledger_takes_them_back():
+    d = with_disk(Driver(), host_budget=1 << 20)
+    d.ledger.open_slot("kept")
+    _, hist = d.turn(1, toks(1, 30), toks(2, 6), "kept")  # in the pool
+    demoted_session(d, "stored", seed=3)  # in the host tier
+    d.ledger.open_slot("busy")
+    d.extend(9, toks(9, 10), session="busy")  # a turn runs: not persisted
+    kept = run_sync(d.ledger.persist_sessions(["kept", "stored", "busy", "gone"]))
+    d.check()
+    assert [sid for sid, _ in kept] == ["kept", "stored"]
+    assert d.ledger.host.entries == {} and len(d.ledger.disk.entries) == 2
+    assert d.ledger.slots["kept"].rec is None and d.ledger.session_pages() == 0
+    # The next run: a fresh ledger (and the same store) takes the entries back.
+    fresh = with_disk(Driver(), host_budget=1 << 20, disk_budget=150)  # one 140-byte file
+    fresh.kv, fresh.port = d.kv, d.port
+    fresh.ledger.tiers = d.port
+    moved = [(sid, TierEntry(e.handle, e.tokens, e.alive, e.nbytes)) for sid, e in kept]
+    refused = fresh.ledger.restore_sessions(moved)
+    assert refused == [kept[1][1].handle]  # over the smaller disk budget
+    run_sync(fresh.port.drop(refused))
+    fresh.check()
+    assert fresh.ledger.slots["kept"].stored == kept[0][1].handle
+    assert next(fresh.ledger._handles) > max(e.handle for _, e in kept)
+    prompt = np.concatenate([hist, toks(4, 3)])
+    g = fresh.extend(5, prompt, session="kept")
+    assert g.cached_len == 35 and fresh.ledger.counters.disk_promotes == 1
+    fresh.kv.assert_row_holds(g.row, prompt, len(prompt))

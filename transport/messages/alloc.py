@@ -11,6 +11,7 @@ import enum
 import msgspec
 
 from transport.messages.base import HotMessage, Message
+from transport.messages.tiers import PersistedSession
 
 
 class SlotDeltas(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -167,6 +168,25 @@ class CloseSlots(Message):
 
 class CloseSlotsReply(Message):
     pages: int  # pages the released slots held
+
+
+class PersistSlots(Message):
+    """Sessions -> allocator on drain: write these idle sessions' KV to the disk tier and
+    record them so a restart finds them (`transport.messages.tiers.PersistedSession`)."""
+
+    sessions: list[PersistedSession]
+
+
+class PersistSlotsReply(Message):
+    persisted: int
+
+
+class RestoreSlots(Message):
+    """Sessions -> allocator at start: the sessions a previous run persisted."""
+
+
+class RestoreSlotsReply(Message):
+    sessions: list[PersistedSession]
 
 
 class OffloadSlot(Message):

@@ -45,6 +45,14 @@ class CloseSession(Message):
     session_id: str
 
 
+class PersistSessions(Message):
+    """The engine on drain: keep the idle sessions' KV on disk for the next start."""
+
+
+class SessionsPersisted(Message):
+    persisted: int
+
+
 class OffloadSession(Message):
     """Move an idle session's KV out of the pool now (to the host tier, if there is one);
     its next turn loads it back."""

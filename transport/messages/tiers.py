@@ -47,6 +47,37 @@ class KvDrop(Message):
     handles: list[int]
 
 
+class PersistedSession(Message):
+    """One session as it survives a restart: the sessions actor's facts and the ledger's
+    entry (its file holds the KV)."""
+
+    session_id: str  # the engine's name of it (a frontend's HMAC of the client's id)
+    ttl_s: float
+    max_tokens: int
+    turns: int
+    tokens: int
+    handle: int = 0
+    tokens_keys: list[int] = []  # the prefix-cache keys of the stored positions
+    alive: list[bool] = []  # per page: its sliding KV is stored ([] : one pool)
+    nbytes: int = 0
+
+
+class KvPersist(Message):
+    """Allocator -> runner on drain: these spilled entries are to be found again after a
+    restart (the manifest); every other file may go."""
+
+    sessions: list[PersistedSession]
+
+
+class KvRestore(Message):
+    """Allocator -> runner at start: the sessions a previous run persisted whose files are
+    there, for this model (the manifest is consumed)."""
+
+
+class KvRestored(Message):
+    sessions: list[PersistedSession]
+
+
 class KvStoreQuery(Message):
     """The store's contents, for the ledger's per-tier audit."""
 
