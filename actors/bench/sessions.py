@@ -172,6 +172,36 @@ async def verify(client, model: str, run: Run, args) -> dict:
     return {"same": same, "differ": differ}
 
 
+async def metric(client, name: str, every: bool = False) -> float:
+    """A /metrics sample's value (`every`: the sum over its labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get("/metrics")).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                if not every:
+                    return sample.value
+                total += sample.value
+    return total
+
+
+async def flush_prefix_cache(client, model: str, vocabulary) -> None:
+    """Prompts of a salt of their own until the prefix tree has evicted as many pages as the
+    pool holds: what it held before is gone."""
+    total = await metric(client, "kvactor:kv_pages", every=True)
+    start = await metric(client, "kvactor:kv_evicted_pages_total")
+    for i in range(200):
+        if await metric(client, "kvactor:kv_evicted_pages_total") - start >= total:
+            return
+        prompt = words_for(10_000 + i, vocabulary, 1000)
+        body = {"model": model, "prompt": prompt, "max_tokens": 1, "cache_salt": f"flush-{i}"}
+        _, _, _, error = await stream_completion(client, body)
+        if error:
+            return
+
+
 async def restore_probe(client, model: str, vocabulary, args) -> dict:
     """TTFT of a session's next turn with its history in the pool, in the host tier, and
     prefilled from nothing."""
@@ -196,8 +226,15 @@ async def restore_probe(client, model: str, vocabulary, args) -> dict:
                 out["host_tier_skipped"] = f"offload kept {held} of {out['history_tokens']}"
                 await client.delete(f"/v1/sessions/{sid}")
                 continue
+            # Chunked prefill left the history's whole pages in the prefix tree: push them
+            # out, so the next turn loads from the tier rather than hits the tree.
+            await flush_prefix_cache(client, model, vocabulary)
+        loaded = await metric(client, "kvactor:host_tier_loaded_tokens_total")
         nxt = {**body, **salt, "prompt": history + " and then", "max_tokens": 2}
         _, usage, ttft, error = await stream_completion(client, nxt)
+        out[f"{way}_loaded_tokens"] = int(
+            await metric(client, "kvactor:host_tier_loaded_tokens_total") - loaded
+        )
         out[f"{way}_ttft_s"] = round(ttft, 4)
         out[f"{way}_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get(
             "cached_tokens", 0
