@@ -13,17 +13,18 @@ import pytest
 
 from kvcore import InvariantViolation, SwaPages, check_invariants
 from kvcore.tiers import KvTier, TierEntry
-from tests.unit.ledger_driver import FakeKv, FakeTierPort, make_ledger, run_sync
+from tests.unit.ledger_driver import FakeKv, FakeTierPort, run_sync
+from tests.unit.test_ledger_sessions import Driver as SessionsDriver
 
 PS, WINDOW = 4, 16
 
 
-class Driver:
-    """A ledger with sessions and a host tier of `budget` bytes; with `swa`, two pools
-    (window 16, freed in steps of a page)."""
+class Driver(SessionsDriver):
+    """The sessions tests' driver with a host tier of `budget` bytes; with `swa`, two pools
+    (window 16, freed in steps of a page). Its check also audits the tiers and the store."""
 
     def __init__(self, num_pages=64, rows=8, capacity=256, budget=1 << 20, swa=False):
-        self.ledger, self.tree = make_ledger(num_pages, PS, rows, capacity)
+        super().__init__(num_pages, rows, capacity)
         self.kv = FakeKv((num_pages + 1) * PS, PS, swa_pages=num_pages if swa else 0)
         if swa:
             self.ledger.swa = SwaPages(num_pages, num_pages, PS)
@@ -32,53 +33,15 @@ class Driver:
         self.port = FakeTierPort(self.kv)
         self.ledger.tiers = self.port
         self.ledger.host = KvTier("host", budget)
-        self.capacity = capacity
 
     def check(self) -> None:
-        check_invariants(run_sync(self.ledger.snapshot()))
+        super().check()
         assert self.problems() == []
 
     def problems(self) -> list[str]:
         if self.ledger.host is None:
             return []
         return run_sync(self.ledger._tier_problems(audit_store=True))
-
-    def extend(self, rid, tokens, budget=10_000, session="", match_prefix=True):
-        deltas = []
-        g = run_sync(
-            self.ledger.alloc_extend(
-                rid, tokens, budget, deltas, match_prefix=match_prefix, session=session
-            )
-        )
-        self.kv.apply(deltas, self.capacity)
-        self.check()
-        if g is not None:
-            self.kv.write(g.row, tokens, g.start, g.end)
-        return g
-
-    def decode(self, rid, tokens):
-        deltas = []
-        assert run_sync(self.ledger.alloc_decode([rid], deltas)) == 0
-        self.kv.apply(deltas, self.capacity)
-        self.check()
-        rec = self.ledger.records[rid]
-        self.kv.write(rec.req_pool_idx, tokens, rec.kv_committed_len - 1, rec.kv_committed_len)
-
-    def turn(self, rid, prompt, new_tokens, session):
-        g = self.extend(rid, prompt, session=session)
-        assert g is not None
-        tokens = np.concatenate([prompt, new_tokens]).astype(np.int64)
-        for i in range(len(new_tokens) - 1):
-            self.decode(rid, tokens[: len(prompt) + i + 1])
-        self.finish(rid, tokens)
-        return g, tokens
-
-    def finish(self, rid, tokens):
-        deltas = []
-        run_sync(self.ledger.finish(rid, tokens))
-        self.ledger.forget(rid)
-        self.kv.apply(deltas, self.capacity)
-        self.check()
 
     def evict_tree(self) -> None:
         """The tree loses every unlocked page (pressure elsewhere)."""

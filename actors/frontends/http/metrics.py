@@ -287,23 +287,21 @@ class EngineCollector(Collector):
                 kv.session_reclaims,
             )
             if kv.host_tier_budget:
-                host = GaugeMetricFamily(
+                yield _used_and_budget(
                     f"{OWN}kv_host_tier_bytes",
                     "Host tier below the pool: bytes held by idle sessions' KV, and its budget",
-                    labels=["model_name", "kind"],
+                    m,
+                    kv.host_tier_bytes,
+                    kv.host_tier_budget,
                 )
-                host.add_metric([m, "used"], kv.host_tier_bytes)
-                host.add_metric([m, "budget"], kv.host_tier_budget)
-                yield host
                 if kv.disk_tier_budget:
-                    disk = GaugeMetricFamily(
+                    yield _used_and_budget(
                         f"{OWN}kv_disk_tier_bytes",
                         "Disk tier below the host tier: bytes of its files, and its budget",
-                        labels=["model_name", "kind"],
+                        m,
+                        kv.disk_tier_bytes,
+                        kv.disk_tier_budget,
                     )
-                    disk.add_metric([m, "used"], kv.disk_tier_bytes)
-                    disk.add_metric([m, "budget"], kv.disk_tier_budget)
-                    yield disk
                     yield _gauge(
                         f"{OWN}sessions_in_disk_tier",
                         "Streaming sessions whose KV waits in the disk tier",
@@ -401,6 +399,13 @@ def _speculation(s: SchedulerStats, m: str) -> Iterator[Metric]:
 
 def _le(bound: float) -> str:
     return floatToGoString(bound)  # as prometheus_client's Histogram writes bounds: "8.0"
+
+
+def _used_and_budget(name: str, doc: str, model: str, used: int, budget: int):
+    family = GaugeMetricFamily(name, doc, labels=["model_name", "kind"])
+    family.add_metric([model, "used"], used)
+    family.add_metric([model, "budget"], budget)
+    return family
 
 
 def _gauge(name: str, help_text: str, model_name: str, value: float) -> GaugeMetricFamily:
