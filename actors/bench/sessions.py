@@ -228,7 +228,8 @@ async def restore_probe(client, model: str, vocabulary, args) -> dict:
                 continue
             # Chunked prefill left the history's whole pages in the prefix tree: push them
             # out, so the next turn loads from the tier rather than hits the tree.
-            await flush_prefix_cache(client, model, vocabulary)
+            if args.flush:
+                await flush_prefix_cache(client, model, vocabulary)
         loaded = await metric(client, "kvactor:host_tier_loaded_tokens_total")
         nxt = {**body, **salt, "prompt": history + " and then", "max_tokens": 2}
         _, usage, ttft, error = await stream_completion(client, nxt)
@@ -323,6 +324,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pause-s", type=float, default=1.0, help="mean tool-call pause")
     p.add_argument("--verify", type=int, default=4, help="last turns re-sent without session")
     p.add_argument("--restore-tokens", type=int, default=2000, help="0: no restore probe")
+    p.add_argument(
+        "--no-flush",
+        dest="flush",
+        action="store_false",
+        help="time the tier load without first pushing the history out of the prefix tree "
+        "(a history shorter than one prefill chunk leaves nothing there anyway)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", default="", help="a running server (else one is started)")
     p.add_argument("--api-key", default="", help="the running server's API key")

@@ -191,7 +191,8 @@ def test_sessions_bench_reuses_history_and_answers_as_without_a_session(server, 
             "--verify",
             "2",
             "--restore-tokens",
-            "200",
+            "150",  # one prefill chunk: the tree keeps nothing of it, no flush needed
+            "--no-flush",
             "--output-json",
             str(out),
         ]
@@ -203,6 +204,7 @@ def test_sessions_bench_reuses_history_and_answers_as_without_a_session(server, 
     assert result["verify"] == {"same": 2, "differ": 0}
     probe = result["restore"]
     assert probe["host_tier_cached_tokens"] >= probe["history_tokens"] - 1, probe
+    assert probe["host_tier_loaded_tokens"] >= probe["history_tokens"] - 1, probe  # the tier's
     assert probe["pool_cached_tokens"] >= probe["history_tokens"] - 1, probe
     assert probe["prefill_ttft_s"] > 0 and result["host_tier"]["promotes"] >= 1
     assert set(result["ttft_by_turn"]) == {"0", "1"}
