@@ -342,6 +342,10 @@ class KvLedger:
             if node is not None:
                 await self.tree.unlock(node)
             return None
+        unused = self.slots.get(session) if admitting and session else None
+        if promotion is None and unused is not None and unused.stored is not None:
+            # Granted without it: the entry is of no use to this conversation any more.
+            await self._drop_entry(unused.stored)
         if promotion is not None and not await self._load_entry(
             session, cached, promotion, new_slots
         ):
@@ -911,19 +915,16 @@ class KvLedger:
     async def _plan_promotion(
         self, session: str, tokens: np.ndarray, cached: int, match_prefix: bool
     ) -> Promotion | None:
-        """What this admission loads from its session's host-tier entry; an entry it cannot
-        use (the conversation diverged, or every token must be computed) is dropped."""
+        """What this admission loads from its session's tier entry (None: nothing; the
+        admission drops the entry once granted, so a refused one finds it again)."""
         slot = self.slots.get(session)
         if slot is None or slot.stored is None:
             return None
         entry = self._entry(slot.stored)
-        plan = None
-        if match_prefix and len(tokens) > 1:
-            prefix = common_prefix_len(entry.tokens, tokens[: len(tokens) - 1])
-            plan = plan_promotion(entry, prefix, cached, self.window, self.page_size)
-        if plan is None:
-            await self._drop_entry(slot.stored)
-        return plan
+        if not match_prefix or len(tokens) < 2:
+            return None
+        prefix = common_prefix_len(entry.tokens, tokens[: len(tokens) - 1])
+        return plan_promotion(entry, prefix, cached, self.window, self.page_size)
 
     async def _load_entry(
         self, session: str, cached: int, plan: Promotion, new_slots: np.ndarray

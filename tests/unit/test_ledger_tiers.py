@@ -358,3 +358,17 @@ def test_a_drain_persists_idle_sessions_to_disk_and_a_new_ledger_takes_them_back
     g = fresh.extend(5, prompt, session="kept")
     assert g.cached_len == 35 and fresh.ledger.counters.disk_promotes == 1
     fresh.kv.assert_row_holds(g.row, prompt, len(prompt))
+
+
+def test_a_refused_turn_keeps_an_entry_it_cannot_use_and_a_granted_one_drops_it():
+    d = Driver(num_pages=24)
+    hist = demoted_session(d)  # the tree holds its 8 whole pages
+    hog = d.extend(50, toks(50, 60))  # 15 of the pool's 24 pages: the rest are the tree's
+    assert hog is not None
+    prompt = np.concatenate([hist[:8], toks(9, 60)])  # the entry adds nothing past the tree
+    assert d.extend(2, prompt, session="s") is None  # refused: no pages
+    assert d.ledger.slots["s"].stored is not None  # kept for the retry
+    run_sync(d.ledger.abort(50))
+    d.ledger.forget(50)
+    g = d.extend(2, prompt, session="s")
+    assert g.cached_len == 8 and d.ledger.slots["s"].stored is None and d.port.entries == {}
