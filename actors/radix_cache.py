@@ -13,6 +13,8 @@ import numpy as np
 from actors.runtime import Actor
 from kvcore import RadixTree
 from transport.messages.radix import (
+    EvictBlocks,
+    EvictedBlocks,
     EvictPages,
     EvictReply,
     InsertPrefix,
@@ -35,6 +37,7 @@ class RadixCacheActor(Actor):
         | InsertPrefix
         | UnlockNode
         | EvictPages
+        | EvictBlocks
         | PeekPrefix
         | TreeStatsRequest
         | TreeSnapshotRequest
@@ -69,6 +72,14 @@ class RadixCacheActor(Actor):
             return None
         if isinstance(msg, EvictPages):
             return EvictReply(pages=tree.evict(msg.num_pages).tolist())
+        if isinstance(msg, EvictBlocks):
+            blocks = tree.evict_blocks(msg.num_pages)
+            return EvictedBlocks(
+                starts=[b.start for b in blocks],
+                keys=[b.key.tolist() for b in blocks],
+                slots=[b.slots.tolist() for b in blocks],
+                alive=[b.alive.tolist() for b in blocks],
+            )
         if isinstance(msg, PeekPrefix):
             return PeekReply(lengths=[tree.match_prefix(t).length for t in msg.tokens])
         if isinstance(msg, TreeStatsRequest):

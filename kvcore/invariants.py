@@ -27,9 +27,9 @@ leak through. Checked, for every holder (a live request or a session slot) with 
    kv_committed_len - window on, tree prefix included) has its sliding KV; the tree's
    per-page alive flags equal the map; a holder's own pages below its floor are alive and
    [floor, swa_evicted_seqlen) is dead.
-8. Tiers: every entry of a tier below the pool is in one tier and belongs to one session
-   slot that holds no pool record; each tier's bytes are its entries' and within its
-   budget (`kvcore.tiers`).
+8. Tiers: every entry of a tier below the pool is in one tier and has one owner: a session
+   slot that holds no pool record, or the prefix index; each tier's bytes are its
+   entries' and within its budget (`kvcore.tiers`).
 
 Failures raise `InvariantViolation` naming the owner and the pages. `check_idle` is the
 cheap check for an idle engine (counts only).
@@ -46,7 +46,7 @@ import numpy as np
 from kvcore.radix_tree import RadixTree, TreeSnapshot
 from kvcore.req_kv_info import ReqKvInfo
 from kvcore.slots import floor_page
-from kvcore.tiers import KvTier, TierViolation, check_tiers
+from kvcore.tiers import KvTier, PrefixIndex, TierViolation, check_tiers
 
 
 class InvariantViolation(AssertionError):
@@ -72,6 +72,7 @@ class KvSnapshot:
     swa_window: int = 0  # the sliding layers' window in tokens (0: none)
     tiers: list[KvTier] = field(default_factory=list)  # the tiers below the pool
     session_entries: Mapping[object, int] = field(default_factory=dict)  # session -> handle
+    prefix_blocks: PrefixIndex | None = None  # the owner of the prefix blocks in the tiers
 
 
 def row_pages(rec: ReqKvInfo, table: np.ndarray, page_size: int, start: int) -> np.ndarray:
@@ -132,7 +133,12 @@ def check_invariants(snap: KvSnapshot) -> None:
         _check_swa(snap, holders)
     if snap.tiers:
         try:
-            check_tiers(snap.tiers, snap.session_entries, set(snap.session_records))
+            check_tiers(
+                snap.tiers,
+                snap.session_entries,
+                set(snap.session_records),
+                prefix_blocks=snap.prefix_blocks,
+            )
         except TierViolation as exc:
             raise InvariantViolation(str(exc)) from None
 

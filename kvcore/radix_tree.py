@@ -76,6 +76,17 @@ class InsertResult:
 
 
 @dataclass(frozen=True, slots=True)
+class EvictedBlock:
+    """One evicted node: the KV of positions [start, len(key)) was at `slots`; `key` is the
+    whole path's tokens from the root (what the KV depends on), `alive` per page."""
+
+    start: int
+    key: np.ndarray
+    slots: np.ndarray
+    alive: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
 class TreeSnapshot:
     """The tree's structure as plain arrays, for the invariant checker.
 
@@ -342,24 +353,49 @@ class RadixTree:
 
         Returns the freed pages; the caller returns them to the page pool.
         """
+        freed = [n.value for n in self._evict_nodes(num_pages)]
+        slots = np.concatenate(freed) if freed else _EMPTY
+        return pages_of_slots(slots, self.page_size)
+
+    def evict_blocks(self, num_pages: int) -> list[EvictedBlock]:
+        """`evict`, returning each evicted node with the tokens its KV depends on (a tier
+        below the pool may keep a copy); its pages are the caller's to free."""
+        return [
+            EvictedBlock(start, key, node.value, node.alive)
+            for node, start, key in self._evict_nodes(num_pages, with_keys=True)
+        ]
+
+    def _evict_nodes(self, num_pages: int, with_keys: bool = False) -> list:
+        """Unlink unlocked leaves, LRU first, until >= num_pages pages' worth; the nodes
+        (with their start position and whole path key when `with_keys`)."""
         want = num_pages * self.page_size
         heap = [(n.last_access, n.id) for n in self._nodes.values() if self._is_evictable_leaf(n)]
         heapq.heapify(heap)
-        freed: list[np.ndarray] = []
+        out: list = []
         got = 0
         while got < want and heap:
             _, nid = heapq.heappop(heap)
             node = self._nodes[nid]
             parent = node.parent
+            if with_keys:
+                path = self._path_key(node)
+                out.append((node, len(path) - len(node.key), path))
+            else:
+                out.append(node)
             del parent.children[self._child_key(node.key, 0)]
             del self._nodes[nid]
             self.evictable_size -= len(node.key)
-            freed.append(node.value)
             got += len(node.key)
             if self._is_evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id))
-        slots = np.concatenate(freed) if freed else _EMPTY
-        return pages_of_slots(slots, self.page_size)
+        return out
+
+    def _path_key(self, node: _Node) -> np.ndarray:
+        parts = []
+        while node is not self._root:
+            parts.append(node.key)
+            node = node.parent
+        return np.concatenate(parts[::-1])
 
     # ---- internals -----------------------------------------------------------------------
     def _is_evictable_leaf(self, node: _Node) -> bool:

@@ -8,10 +8,15 @@ themselves are the model runner's (`kernels.kv_store`).
 Tiers: "host" (RAM) and "disk" (files under `kv.store_dir`), each with a byte budget; an
 entry is in one of them, and moves host -> disk when the host tier overflows.
 
+Two kinds of entry. A session's (`start` 0): its whole history, owned by its slot. A prefix
+block's: the KV of positions [start, end) of a prefix-tree node the pool evicted, owned by
+the `PrefixIndex`, which finds it again for any request whose tokens [0, end) are the
+block's (the KV at a position depends on the tokens up to it, nothing else).
+
 Invariants (`check_tiers`):
-  * every entry is in exactly one tier and belongs to exactly one session slot; a slot
-    names at most one entry, and never holds a pool record and an entry at once (nothing
-    is owned twice across tiers);
+  * every entry is in exactly one tier and has exactly one owner: a session slot or the
+    prefix index; a slot names at most one entry, and never holds a pool record and an
+    entry at once (nothing is owned twice across tiers);
   * each tier's byte count is the sum of its entries' sizes and never above its budget;
   * where the runner's store is audited too, it holds exactly these handles, in these
     tiers, at these sizes.
@@ -19,12 +24,13 @@ Invariants (`check_tiers`):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvcore.slots import ceil_page
+from kvcore.slots import ceil_page, floor_page
 
 
 class TierViolation(AssertionError):
@@ -33,15 +39,16 @@ class TierViolation(AssertionError):
 
 @dataclass(slots=True)
 class TierEntry:
-    """A session's KV for positions [0, len(tokens)) held outside the pool."""
+    """KV for positions [start, len(tokens)) held outside the pool (a session's: start 0)."""
 
     handle: int
-    tokens: np.ndarray  # the positions' prefix-cache keys
+    tokens: np.ndarray  # prefix-cache keys of positions [0, len(tokens))
     # Per logical page of [0, len(tokens)): its sliding KV was saved (None: one pool, the
-    # sliding layers' KV is the full slots').
+    # sliding layers' KV is the full slots'). A prefix block saves every page's.
     alive: np.ndarray | None
     nbytes: int
     last_used: int = 0
+    start: int = 0  # the first stored position (a page multiple)
 
     @property
     def length(self) -> int:
@@ -81,6 +88,80 @@ class KvTier:
     def least_recent(self) -> list[int]:
         """Handles, least recently used first."""
         return sorted(self.entries, key=lambda h: self.entries[h].last_used)
+
+
+class PrefixIndex:
+    """Prefix blocks by the hash of their tokens [0, start + page): `find` walks a request's
+    tokens block by block from where the prefix tree's match ended."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.handles: dict[bytes, int] = {}
+        self.keys: dict[int, bytes] = {}  # handle -> its key
+
+    def __contains__(self, handle: int) -> bool:
+        return handle in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def key_of(self, tokens: np.ndarray, start: int) -> bytes:
+        head = np.ascontiguousarray(tokens[: start + self.page_size], dtype=np.int64)
+        return hashlib.blake2b(head.tobytes(), digest_size=16).digest()
+
+    def get(self, tokens: np.ndarray, start: int) -> int | None:
+        return self.handles.get(self.key_of(tokens, start))
+
+    def add(self, entry: TierEntry) -> None:
+        key = self.key_of(entry.tokens, entry.start)
+        if key in self.handles:
+            raise TierViolation(f"a prefix block at {entry.start} is indexed twice")
+        self.handles[key] = entry.handle
+        self.keys[entry.handle] = key
+
+    def remove(self, handle: int) -> None:
+        del self.handles[self.keys.pop(handle)]
+
+
+@dataclass(frozen=True)
+class BlockLoad:
+    """Positions [start, end) of a request loaded from prefix block `handle`."""
+
+    handle: int
+    start: int
+    end: int
+
+
+def plan_block_loads(
+    index: PrefixIndex,
+    entry_of: Callable[[int], TierEntry | None],
+    tokens: np.ndarray,
+    cached: int,
+) -> list[BlockLoad]:
+    """The prefix blocks that continue `tokens` from `cached` (page-aligned, where the
+    prefix tree's match ended), as far as whole pages of `tokens` match; a block's every
+    page has its sliding KV, so a load never leaves the window a query reads without it."""
+    ps = index.page_size
+    limit = floor_page(len(tokens), ps)
+    loads: list[BlockLoad] = []
+    pos = cached
+    while pos + ps <= limit:
+        handle = index.get(tokens, pos)
+        entry = entry_of(handle) if handle is not None else None
+        if entry is None or entry.start != pos:
+            break
+        head = min(entry.length, limit)
+        if not np.array_equal(entry.tokens[:pos], tokens[:pos]):
+            break  # a hash collision: not this request's prefix
+        same = entry.tokens[pos:head] == tokens[pos:head]
+        n = floor_page(int(np.argmin(same)) if not same.all() else len(same), ps)
+        if n == 0:
+            break
+        loads.append(BlockLoad(handle, pos, pos + n))
+        pos += n
+        if pos < entry.length:
+            break
+    return loads
 
 
 @dataclass(frozen=True)
@@ -126,10 +207,12 @@ def check_tiers(
     slot_entries: Mapping[object, int],
     slots_with_records: set,
     store: Mapping[int, tuple[str, int]] | None = None,
+    prefix_blocks: PrefixIndex | None = None,
 ) -> None:
     """The tiers' invariants (module docstring). `slot_entries`: session -> the handle its
     slot names; `slots_with_records`: sessions whose slot holds a pool record; `store`: the
-    runner's handle -> (tier name, bytes), when audited."""
+    runner's handle -> (tier name, bytes), when audited; `prefix_blocks`: the index that
+    owns the prefix blocks."""
     where: dict[int, str] = {}
     for tier in tiers:
         for handle in tier.entries:
@@ -139,6 +222,13 @@ def check_tiers(
                 )
             where[handle] = tier.name
     owners: dict[int, object] = {}
+    for handle in prefix_blocks.keys if prefix_blocks is not None else ():
+        if handle not in where:
+            raise TierViolation(f"the prefix index names handle {handle}, which is not stored")
+        entry = next(t.entries[handle] for t in tiers if handle in t.entries)
+        if prefix_blocks.keys[handle] != prefix_blocks.key_of(entry.tokens, entry.start):
+            raise TierViolation(f"prefix block {handle} is indexed under another prefix")
+        owners[handle] = "the prefix index"
     for sid, handle in slot_entries.items():
         if handle not in where:
             raise TierViolation(f"session {sid!r} names handle {handle}, which is not stored")

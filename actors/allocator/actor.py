@@ -18,7 +18,7 @@ from actors.allocator.tier_port import RemoteTierPort
 from actors.runtime import Actor
 from kvcore import InvariantViolation, PagePool, ReqToTokenTable, SwaPages
 from kvcore.req_kv_info import enable_write_guard
-from kvcore.tiers import KvTier, TierEntry
+from kvcore.tiers import KvTier, PrefixIndex, TierEntry
 from transport.messages.alloc import (
     AllocDecode,
     AllocDecodeReply,
@@ -108,6 +108,7 @@ class AllocatorActor(Actor):
         session_max_pages: int | None = None,
         host_tier_bytes: int = 0,
         disk_tier_bytes: int = 0,
+        tier_prefix_blocks: bool = False,
         runner: str = "runner",
     ) -> None:
         self.pool = PagePool(num_pages, page_size)
@@ -128,6 +129,8 @@ class AllocatorActor(Actor):
         self.host_tier_bytes = host_tier_bytes
         # The disk tier below it (0: none; the runner writes its files under kv.store_dir).
         self.disk_tier_bytes = disk_tier_bytes if host_tier_bytes else 0
+        # Evicted prefix-tree blocks go to the tiers too (needs the tree and a host tier).
+        self.tier_prefix_blocks = tier_prefix_blocks and bool(host_tier_bytes) and bool(radix)
         self.runner_name = runner
         if debug_checks:
             enable_write_guard()  # a record written outside the ledger raises
@@ -157,6 +160,7 @@ class AllocatorActor(Actor):
             tiers=self.port_tiers,
             host=KvTier("host", self.host_tier_bytes) if self.host_tier_bytes else None,
             disk=KvTier("disk", self.disk_tier_bytes) if self.disk_tier_bytes else None,
+            prefix_blocks=PrefixIndex(self.pool.page_size) if self.tier_prefix_blocks else None,
         )
 
     async def handle(self, msg, sender):
@@ -376,13 +380,17 @@ class AllocatorActor(Actor):
             tier_failures=c.tier_failures,
             host_tier_budget=self.host_tier_bytes,
             host_tier_bytes=ledger.host.used if ledger.host is not None else 0,
-            host_tier_entries=len(ledger.host.entries) if ledger.host is not None else 0,
+            host_tier_entries=ledger.session_entries("host"),
             stored_tokens=ledger.stored_tokens(),
             disk_tier_budget=self.disk_tier_bytes,
             disk_tier_bytes=ledger.disk.used if ledger.disk is not None else 0,
-            disk_tier_entries=len(ledger.disk.entries) if ledger.disk is not None else 0,
+            disk_tier_entries=ledger.session_entries("disk"),
             tier_spills=c.tier_spills,
             disk_promotes=c.disk_promotes,
+            prefix_blocks=len(ledger.prefix_blocks) if ledger.prefix_blocks is not None else 0,
+            block_demotes=c.block_demotes,
+            block_promotes=c.block_promotes,
+            block_loaded_tokens=c.block_loaded_tokens,
         )
 
     def stats(self) -> dict[str, int | float]:

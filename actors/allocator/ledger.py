@@ -44,6 +44,14 @@ overflow is dropped. A failed copy falls back to the pool-only behaviour: a fail
 keeps nothing, a failed spill drops, a failed load (a missing, truncated or foreign file
 included) prefills.
 
+Prefix-tree blocks below the pool (with `prefix_blocks`, a `PrefixIndex`): a tree node the
+pool evicts is copied to the host tier first, as far as its pages have their sliding KV,
+and the index owns the copy. An admission whose session has nothing to load continues the
+tree's match with the blocks that hold the next pages of its tokens, loading them into the
+pages it reserves, as a promotion does. A loaded block stays stored (the next eviction of
+the same pages copies nothing); blocks and sessions' entries share the tiers' budgets and
+least-recently-used order.
+
 Prefix-cache namespaces: a request's `cache_salt` turns its token ids into keys of their
 own (`kvcore.salt`) before anything compares them for reuse (the tree, session slots).
 
@@ -90,14 +98,18 @@ from kvcore import (
     slots_of_pages,
     swa_idle_problems,
 )
+from kvcore.radix_tree import EvictedBlock
 from kvcore.req_kv_info import ledger_writes
 from kvcore.salt import salted_tokens
 from kvcore.tiers import (
+    BlockLoad,
     KvTier,
+    PrefixIndex,
     Promotion,
     TierEntry,
     TierViolation,
     check_tiers,
+    plan_block_loads,
     plan_promotion,
 )
 
@@ -191,6 +203,10 @@ class LedgerCounters:
     tier_spills: int = 0  # host-tier entries moved to the disk tier to fit the host budget
     tier_drops: int = 0  # entries dropped to fit a budget (the disk's, or the host's alone)
     tier_failures: int = 0  # saves or loads the runner failed (fell back to prefill)
+    block_demotes: int = 0  # evicted prefix-tree blocks copied to the host tier
+    block_demote_skips: int = 0  # evicted blocks a stored block already held
+    block_promotes: int = 0  # admissions that loaded prefix blocks from a tier
+    block_loaded_tokens: int = 0  # positions loaded from prefix blocks
 
 
 @dataclass
@@ -220,13 +236,17 @@ class KvLedger:
     host: KvTier | None = None
     disk: KvTier | None = None  # below the host tier (None: its overflow is dropped)
     entry_session: dict[int, str] = field(default_factory=dict)  # handle -> its session
+    # Evicted prefix-tree blocks kept in the tiers (None: eviction forgets them; needs
+    # `tiers` and `host`).
+    prefix_blocks: PrefixIndex | None = None
     counters: LedgerCounters = field(default_factory=LedgerCounters)
     salts: dict[int, str] = field(default_factory=dict)  # rid -> its cache_salt (if any)
     # full pages unmapped from the sliding pool and not yet sent to the runner
     _unmapped: list[np.ndarray] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
     _restoring: str | None = None  # the session whose slot an admission is moving now
-    _promoting: int | None = None  # the entry an admission is loading now (never dropped)
+    # The entries an admission is loading now (never moved nor dropped meanwhile).
+    _promoting: frozenset[int] = frozenset()
     # Tier handles, unique per process (a restarted allocator never reuses a live one).
     _handles: itertools.count = field(
         default_factory=lambda: itertools.count(secrets.randbits(40) << 8)
@@ -305,6 +325,7 @@ class KvLedger:
         if need_row and not self._idle_slots():
             return None
         promotion: Promotion | None = None
+        loads: list[BlockLoad] = []
         if admitting:
             if self.tree is not None and total > 1 and match_prefix:
                 match = await self.tree.match_and_lock(tokens[: total - 1])
@@ -321,12 +342,21 @@ class KvLedger:
                 promotion = await self._plan_promotion(session, tokens, cached, match_prefix)
                 if promotion is not None:
                     start = promotion.length  # [cached, start) is loaded, not computed
+            if promotion is None and self.prefix_blocks is not None and match_prefix:
+                loads = plan_block_loads(
+                    self.prefix_blocks, self._entry_or_none, tokens[: total - 1], cached
+                )
+                if loads:
+                    start = loads[-1].end  # [cached, start) is loaded, not computed
         else:
             start = rec.kv_committed_len
         end = min(total, start + budget)
         alloc_from = cached if admitting else start  # new slots from here
         row_tail = None if admitting else self._last_slot(rec)
-        self._promoting = self.slots[session].stored if promotion is not None else None
+        if promotion is not None:
+            self._promoting = frozenset([self.slots[session].stored])
+        else:
+            self._promoting = frozenset(load.handle for load in loads)
         try:
             if need_row:
                 # An idle session gives up its row only for an admission that then fits.
@@ -337,7 +367,7 @@ class KvLedger:
                 await self._reclaim_session()
             new_slots = await self._reserve_slots(alloc_from, end, row_tail, deltas)
         finally:
-            self._promoting = None
+            self._promoting = frozenset()
         if new_slots is None:
             if node is not None:
                 await self.tree.unlock(node)
@@ -346,16 +376,21 @@ class KvLedger:
         if promotion is None and unused is not None and unused.stored is not None:
             # Granted without it: the entry is of no use to this conversation any more.
             await self._drop_entry(unused.stored)
+        loaded = start
         if promotion is not None and not await self._load_entry(
             session, cached, promotion, new_slots
         ):
-            # The load failed: compute those positions instead, within the budget.
-            keep_end = min(end, cached + budget)
+            promotion, loaded = None, cached
+        if loads:
+            loaded = await self._load_blocks(loads, cached, new_slots)
+        if loaded < start:
+            # A load failed: compute those positions instead, within the budget.
+            keep_end = min(end, loaded + budget)
             extra = new_slots[ceil_page(keep_end - cached, self.page_size) :]
             if extra.size:
                 self._free_pages(pages_of_slots(extra, self.page_size))
             new_slots = new_slots[: keep_end - cached]
-            promotion, start, end = None, cached, keep_end
+            start, end = loaded, keep_end
         if admitting:
             # The record exists only once the request holds something (a refusal leaves none).
             if rec is None:
@@ -961,12 +996,16 @@ class KvLedger:
         return True
 
     async def _drop_entry(self, handle: int, tell_store: bool = True) -> None:
-        """Forget a tier entry (its session's slot names nothing after it) and have the
-        store free its bytes (a message the store answers nothing to)."""
+        """Forget a tier entry (its owner, a session's slot or the prefix index, names
+        nothing after it) and have the store free its bytes (a message the store answers
+        nothing to)."""
         self._tier_with(handle).remove(handle)
-        slot = self.slots.get(self.entry_session.pop(handle))
-        if slot is not None and slot.stored == handle:
-            slot.stored = None
+        if self.prefix_blocks is not None and handle in self.prefix_blocks:
+            self.prefix_blocks.remove(handle)
+        else:
+            slot = self.slots.get(self.entry_session.pop(handle))
+            if slot is not None and slot.stored == handle:
+                slot.stored = None
         if not tell_store:
             return
         try:
@@ -982,14 +1021,14 @@ class KvLedger:
         if self.host is None:
             return
         while self.host.over_budget():
-            victims = [h for h in self.host.least_recent() if h != self._promoting]
+            victims = [h for h in self.host.least_recent() if h not in self._promoting]
             if not victims:
                 return
             if self.disk is None or not await self._spill(victims[0]):
                 await self._drop_entry(victims[0])
                 self.counters.tier_drops += 1
         while self.disk is not None and self.disk.over_budget():
-            victims = [h for h in self.disk.least_recent() if h != self._promoting]
+            victims = [h for h in self.disk.least_recent() if h not in self._promoting]
             if not victims:
                 return
             await self._drop_entry(victims[0])
@@ -1009,6 +1048,74 @@ class KvLedger:
         self.counters.tier_spills += 1
         return True
 
+    # ---- prefix-tree blocks below the pool (module docstring) ---------------------------
+    async def _evict_tree(self, pages: int) -> np.ndarray:
+        """Evict at least `pages` tree pages (LRU leaves); with a prefix index, each evicted
+        block is copied to the host tier first. The freed pages, for the caller to free."""
+        if self.prefix_blocks is None:
+            return await self.tree.evict(pages)
+        blocks = await self.tree.evict_blocks(pages)
+        for block in blocks:
+            await self._demote_block(block)
+        await self._fit_host_tier()
+        slots = [b.slots for b in blocks]
+        return pages_of_slots(np.concatenate(slots), self.page_size) if slots else _NO_PAGES
+
+    async def _demote_block(self, block: EvictedBlock) -> None:
+        """Keep an evicted block's leading pages that have their sliding KV (all of them
+        with one pool) as a prefix block, unless one already holds them. A failed copy
+        keeps nothing (the block is forgotten, as without a tier)."""
+        ps = self.page_size
+        alive = np.asarray(block.alive, dtype=bool)
+        n = (int(np.argmin(alive)) if not alive.all() else len(alive)) * ps
+        if n == 0:
+            return
+        end = block.start + n
+        tokens = np.asarray(block.key[:end], dtype=np.int64)
+        known = self.prefix_blocks.get(tokens, block.start)
+        if known is not None:
+            entry = self._entry(known)
+            same = entry.length >= end and np.array_equal(entry.tokens[:end], tokens)
+            if same or known in self._promoting:
+                entry.last_used = next(self._clock)
+                self.counters.block_demote_skips += 1
+                return
+            await self._drop_entry(known)  # a shorter or colliding block: this one replaces it
+        slots = np.asarray(block.slots[:n], dtype=np.int64)
+        swa_slots = self._sliding_slots(slots) if self.swa is not None else _NO_PAGES
+        handle = next(self._handles)
+        try:
+            nbytes = await self.tiers.save(handle, slots, swa_slots)
+        except Exception:  # the runner could not copy: the block is forgotten
+            self.counters.tier_failures += 1
+            return
+        alive_pages = np.ones(end // ps, dtype=bool) if self.swa is not None else None
+        entry = TierEntry(handle, tokens, alive_pages, nbytes, next(self._clock), block.start)
+        self.host.add(entry)
+        self.prefix_blocks.add(entry)
+        self.counters.block_demotes += 1
+
+    async def _load_blocks(self, loads: list[BlockLoad], cached: int, new_slots) -> int:
+        """Write each block's planned positions at the request's slots reserved from
+        `cached`; the position loaded up to (a failed load stops there, and its block is
+        dropped). A loaded block stays stored (a popular prefix serves the next eviction)."""
+        for load in loads:
+            entry = self._entry(load.handle)
+            full = new_slots[load.start - cached : load.end - cached]
+            saved = np.arange(load.start - entry.start, load.end - entry.start, dtype=np.int64)
+            swa_index = saved if self.swa is not None else _NO_PAGES
+            swa_slots = self._sliding_slots(full) if self.swa is not None else _NO_PAGES
+            try:
+                await self.tiers.load(load.handle, int(saved[0]), full, swa_index, swa_slots)
+            except Exception:  # a missing or corrupt copy: compute from here
+                self.counters.tier_failures += 1
+                await self._drop_entry(load.handle)
+                return load.start
+            entry.last_used = next(self._clock)
+            self.counters.block_loaded_tokens += load.end - load.start
+        self.counters.block_promotes += 1
+        return loads[-1].end
+
     def _tiers(self) -> list[KvTier]:
         return [t for t in (self.host, self.disk) if t is not None]
 
@@ -1018,15 +1125,27 @@ class KvLedger:
     def _entry(self, handle: int) -> TierEntry:
         return self._tier_with(handle).entries[handle]
 
+    def _entry_or_none(self, handle: int) -> TierEntry | None:
+        for tier in self._tiers():
+            entry = tier.entries.get(handle)
+            if entry is not None:
+                return entry
+        return None
+
     def _sliding_slots(self, full_slots: np.ndarray) -> np.ndarray:
         """The sliding pool's slots of these full slots (their pages are mapped)."""
         ps = self.page_size
         full_slots = np.asarray(full_slots, dtype=np.int64)
         return self.swa.map[full_slots // ps] * ps + full_slots % ps
 
+    def session_entries(self, tier: str) -> int:
+        """Sessions whose entry is in this tier ("host" or "disk")."""
+        held = {"host": self.host, "disk": self.disk}[tier]
+        return 0 if held is None else sum(1 for h in self.entry_session if h in held.entries)
+
     def stored_tokens(self) -> int:
         """Positions whose KV the tiers hold."""
-        return sum(e.length for t in self._tiers() for e in t.entries.values())
+        return sum(e.length - e.start for t in self._tiers() for e in t.entries.values())
 
     async def _cap_sessions(self) -> None:
         """Release idle slots, least recently used first, until they pin at most
@@ -1066,6 +1185,7 @@ class KvLedger:
             session_entries={
                 sid: s.stored for sid, s in self.slots.items() if s.stored is not None
             },
+            prefix_blocks=self.prefix_blocks,
         )
 
     async def check(self) -> None:
@@ -1135,7 +1255,7 @@ class KvLedger:
         entries = {sid: s.stored for sid, s in self.slots.items() if s.stored is not None}
         with_records = {sid for sid, s in self.slots.items() if s.rec is not None}
         try:
-            check_tiers(self._tiers(), entries, with_records, store)
+            check_tiers(self._tiers(), entries, with_records, store, self.prefix_blocks)
         except TierViolation as exc:
             problems.append(str(exc))
         return problems
@@ -1196,7 +1316,7 @@ class KvLedger:
                 return 0
             # Evicted pages whose sliding KV was already freed give no sliding page: evict on
             # until both pools have enough (`_shortfall` counted that they will).
-            freed = await self.tree.evict(missing) if self.tree is not None else _NO_PAGES
+            freed = await self._evict_tree(missing) if self.tree is not None else _NO_PAGES
             if freed.size:
                 self._free_pages(freed)
                 self.counters.evicted_pages += int(freed.size)

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from kvcore import MatchResult, RadixTree, TreeSnapshot
-from kvcore.radix_tree import InsertResult
+from kvcore.radix_tree import EvictedBlock, InsertResult
 
 
 class PrefixPort(Protocol):
@@ -37,6 +37,10 @@ class PrefixPort(Protocol):
     async def unlock(self, node_id: int) -> None: ...
 
     async def evict(self, num_pages: int) -> np.ndarray: ...
+
+    async def evict_blocks(self, num_pages: int) -> list[EvictedBlock]:
+        """`evict`, with each evicted node's whole key (the caller frees its pages)."""
+        ...
 
     async def owned_pages(self) -> np.ndarray: ...
 
@@ -76,6 +80,9 @@ class LocalPrefixPort:
 
     async def evict(self, num_pages: int) -> np.ndarray:
         return self.tree.evict(num_pages)
+
+    async def evict_blocks(self, num_pages: int) -> list[EvictedBlock]:
+        return self.tree.evict_blocks(num_pages)
 
     async def owned_pages(self) -> np.ndarray:
         return self.tree.owned_pages()

@@ -6,8 +6,10 @@ import numpy as np
 
 from actors.runtime import ActorRef
 from kvcore import MatchResult, TreeSnapshot
-from kvcore.radix_tree import InsertResult
+from kvcore.radix_tree import EvictedBlock, InsertResult
 from transport.messages.radix import (
+    EvictBlocks,
+    EvictedBlocks,
     EvictPages,
     EvictReply,
     InsertPrefix,
@@ -63,6 +65,18 @@ class RemotePrefixPort:
     async def evict(self, num_pages: int) -> np.ndarray:
         r = await self.radix.call(EvictPages(num_pages=num_pages), expect=EvictReply)
         return np.asarray(r.pages, dtype=np.int64)
+
+    async def evict_blocks(self, num_pages: int) -> list[EvictedBlock]:
+        r = await self.radix.call(EvictBlocks(num_pages=num_pages), expect=EvictedBlocks)
+        return [
+            EvictedBlock(
+                start,
+                np.asarray(key, dtype=np.int64),
+                np.asarray(slots, dtype=np.int64),
+                np.asarray(alive, dtype=bool),
+            )
+            for start, key, slots, alive in zip(r.starts, r.keys, r.slots, r.alive)
+        ]
 
     async def owned_pages(self) -> np.ndarray:
         r = await self.radix.call(TreeStatsRequest(with_pages=True), expect=TreeStats)

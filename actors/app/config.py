@@ -98,6 +98,10 @@ class KvSection(_Section):
     # the idle sessions there and the next start on the folder takes them back. "" = none.
     store_dir: str = ""
     disk_tier_bytes: int = 16 << 30
+    # Prefix-tree blocks the pool evicts are copied to the host tier too (the same budget
+    # and LRU as sessions' KV) and loaded by any request whose prompt starts with them, so
+    # a popular system prompt survives pool pressure. Needs radix and a host tier.
+    tier_prefix_blocks: bool = True
 
 
 class SchedulerSection(_Section):

@@ -277,6 +277,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 session_max_pages=int(cfg.sessions.max_pinned_share * num_pages),
                 host_tier_bytes=kv.host_tier_bytes,
                 disk_tier_bytes=kv.disk_tier_bytes if kv.store_dir else 0,
+                tier_prefix_blocks=kv.tier_prefix_blocks,
             ),
             group=group("allocator", "main"),
         ),

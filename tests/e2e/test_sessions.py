@@ -138,7 +138,10 @@ async def test_sessions_demoted_to_a_tier_continue_exactly(tokenizer, hf_model, 
     tier, answers as HF does, and reports the history cached; the tiers and the runner's
     store agree at every idle check, and the files go with the engine."""
     disk = {"kv__host_tier_bytes": 1, "kv__store_dir": str(tmp_path)} if tier == "disk" else {}
-    cfg = small_config(kv__num_pages=96, sessions__max_pinned_share=0.0, **disk)
+    # Sessions' entries only: evicted prefix-tree blocks stay out of these tiers.
+    cfg = small_config(
+        kv__num_pages=96, kv__tier_prefix_blocks=False, sessions__max_pinned_share=0.0, **disk
+    )
     params = GenerationParams(max_tokens=12, temperature=0.0)
     filler = tokenizer.encode(natural_text(), add_special_tokens=False)
     async with ServingEngine(cfg) as eng:

@@ -5,7 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcore.tiers import KvTier, Promotion, TierEntry, TierViolation, check_tiers, plan_promotion
+from kvcore.tiers import (
+    BlockLoad,
+    KvTier,
+    PrefixIndex,
+    Promotion,
+    TierEntry,
+    TierViolation,
+    check_tiers,
+    plan_block_loads,
+    plan_promotion,
+)
 
 PS = 4
 
@@ -98,3 +108,49 @@ def test_an_entry_lives_in_one_tier_and_the_store_must_agree_on_which():
     disk.add(entry(1))
     with pytest.raises(TierViolation, match="in the host and disk tiers"):
         check_tiers([host, disk], {"a": 1, "b": 2}, set())
+
+
+def test_prefix_blocks_chain_from_the_tree_match_as_far_as_whole_pages_agree():
+    index = PrefixIndex(4)
+    tokens = np.arange(100, 140, dtype=np.int64)
+    a = TierEntry(1, tokens[:16].copy(), None, 8, start=8)  # positions [8, 16)
+    b = TierEntry(2, tokens[:28].copy(), None, 8, start=16)  # positions [16, 28)
+    entries = {1: a, 2: b}
+    index.add(a)
+    index.add(b)
+    assert plan_block_loads(index, entries.get, tokens, 8) == [
+        BlockLoad(1, 8, 16),
+        BlockLoad(2, 16, 28),
+    ]
+    assert plan_block_loads(index, entries.get, tokens, 4) == []  # no block starts at 4
+    edited = tokens.copy()
+    edited[21] = 7  # the second block agrees for one page only
+    assert plan_block_loads(index, entries.get, edited, 8) == [
+        BlockLoad(1, 8, 16),
+        BlockLoad(2, 16, 20),
+    ]
+    assert plan_block_loads(index, entries.get, tokens[:18], 8) == [BlockLoad(1, 8, 16)]
+    with pytest.raises(TierViolation, match="indexed twice"):
+        index.add(TierEntry(3, tokens[:16].copy(), None, 8, start=8))
+
+
+def test_the_checker_holds_each_prefix_block_to_the_index():
+    index = PrefixIndex(4)
+    tokens = np.arange(100, 140, dtype=np.int64)
+    host = KvTier("host", 100)
+    block = TierEntry(1, tokens[:16].copy(), None, 8, start=8)
+    host.add(block)
+    with pytest.raises(TierViolation, match="belong to no session"):
+        check_tiers([host], {}, set(), prefix_blocks=index)
+    index.add(block)
+    check_tiers([host], {}, set(), prefix_blocks=index)
+    with pytest.raises(TierViolation, match="belongs to 'the prefix index' and 's'"):
+        check_tiers([host], {"s": 1}, set(), prefix_blocks=index)
+    block.tokens[0] = 7  # its tokens no longer hash to the key it is found under
+    with pytest.raises(TierViolation, match="indexed under another prefix"):
+        check_tiers([host], {}, set(), prefix_blocks=index)
+    index.remove(1)
+    host.remove(1)
+    index.keys[9] = b"x"  # the index names a handle no tier holds
+    with pytest.raises(TierViolation, match="names handle 9"):
+        check_tiers([host], {}, set(), prefix_blocks=index)

@@ -137,6 +137,21 @@ def test_radix_lock_and_lru_eviction():
     assert tree.total_size == 0 and b.node_id != c.node_id
 
 
+def test_evicted_blocks_carry_their_whole_path_key_leaves_first():
+    tree = RadixTree(page_size=2)
+    tree.insert([1, 2, 3, 4, 5, 6], np.arange(10, 16))
+    tree.insert([1, 2, 3, 4, 7, 8], np.arange(20, 26))  # splits at 4: [1..4], [5, 6], [7, 8]
+    tree.match_prefix([1, 2, 3, 4, 7, 8])  # [5, 6] is the least recently used leaf
+    blocks = tree.evict_blocks(10)
+    assert [(b.start, b.key.tolist(), b.slots.tolist()) for b in blocks] == [
+        (4, [1, 2, 3, 4, 5, 6], [14, 15]),
+        (4, [1, 2, 3, 4, 7, 8], [24, 25]),
+        (0, [1, 2, 3, 4], [10, 11, 12, 13]),
+    ]
+    assert all(b.alive.tolist() == [True] * (len(b.slots) // 2) for b in blocks)
+    assert tree.total_size == 0 and tree.num_nodes == 0
+
+
 def _snapshot(pool, table, tree, records):
     return KvSnapshot(
         page_size=pool.page_size,

@@ -44,7 +44,7 @@ MUTANTS = {
         "match = await self.tree.match_and_lock(tokens)",
     ),
     "the ledger never evicts": (
-        "            freed = await self.tree.evict(missing)"
+        "            freed = await self._evict_tree(missing)"
         " if self.tree is not None else _NO_PAGES\n",
         "            freed = _NO_PAGES\n",
     ),
@@ -139,6 +139,15 @@ SWA_MUTANTS = {
     "a promotion loads the entry's positions from the start, not from the tree's end": (
         "await self.tiers.load(handle, cached, full, swa_index, swa_slots)",
         "await self.tiers.load(handle, 0, full, swa_index, swa_slots)",
+    ),
+    # prefix-tree blocks below the pool (the machines' host tiers keep them)
+    "a prefix block keeps pages whose sliding KV is gone": (
+        "n = (int(np.argmin(alive)) if not alive.all() else len(alive)) * ps",
+        "n = len(alive) * ps",
+    ),
+    "a loaded prefix block writes its sliding KV one slot off": (
+        "swa_slots = self._sliding_slots(full) if self.swa is not None else _NO_PAGES",
+        "swa_slots = self._sliding_slots(full) + 1 if self.swa is not None else _NO_PAGES",
     ),
 }
 

@@ -43,7 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from actors.allocator.ledger import KvLedger
 from kvcore import InvariantViolation, SwaPages, check_invariants, floor_page
-from kvcore.tiers import KvTier
+from kvcore.tiers import KvTier, PrefixIndex
 from tests.unit.ledger_driver import (
     FakeKv,
     FakeTierPort,
@@ -98,7 +98,9 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
             # Tiers below the pool. "pressure": idle sessions are demoted under pressure into
             # a host tier that holds about one. "demote": every idle session is demoted at
             # once, into a host tier that holds about half of one and a disk tier below it.
+            # Both keep the prefix-tree blocks the pool evicts there too.
             self.ledger.tiers = FakeTierPort(self.kv)
+            self.ledger.prefix_blocks = PrefixIndex(ps)
             self.ledger.host = KvTier("host", 8 * 2 * self.capacity)
             self.ledger.session_max_pages = None
             if tier == "demote":

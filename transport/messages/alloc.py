@@ -145,13 +145,17 @@ class KvStats(Message):
     tier_failures: int = 0  # copies the runner failed (the turn prefilled instead)
     host_tier_budget: int = 0  # bytes (0: no host tier)
     host_tier_bytes: int = 0
-    host_tier_entries: int = 0
+    host_tier_entries: int = 0  # sessions' entries
     stored_tokens: int = 0  # positions whose KV the tiers hold
     disk_tier_budget: int = 0  # bytes (0: no disk tier)
     disk_tier_bytes: int = 0
-    disk_tier_entries: int = 0
+    disk_tier_entries: int = 0  # sessions' entries
     tier_spills: int = 0  # host-tier entries moved to the disk tier
     disk_promotes: int = 0  # session turns that loaded their history from the disk tier
+    prefix_blocks: int = 0  # evicted prefix-tree blocks the tiers keep
+    block_demotes: int = 0  # evicted prefix-tree blocks copied to the host tier
+    block_promotes: int = 0  # admissions that loaded prefix blocks
+    block_loaded_tokens: int = 0  # positions loaded from prefix blocks (not prefilled)
 
 
 class OpenSlot(Message):

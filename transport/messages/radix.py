@@ -49,6 +49,19 @@ class EvictReply(HotMessage):
     pages: list[int]
 
 
+class EvictBlocks(HotMessage):
+    """`EvictPages`, answered with each evicted node (a tier below the pool keeps copies)."""
+
+    num_pages: int
+
+
+class EvictedBlocks(HotMessage):
+    starts: list[int]  # node i's KV is of positions [starts[i], len(keys[i]))
+    keys: list[list[int]]  # the whole path's tokens from the root
+    slots: list[list[int]]
+    alive: list[list[bool]]
+
+
 class PeekPrefix(HotMessage):
     """Matched length per token list, without locking (may still split nodes)."""
 

@@ -309,6 +309,12 @@ class EngineCollector(Collector):
                         kv.disk_tier_entries,
                     )
                 yield _gauge(
+                    f"{OWN}prefix_blocks_in_tiers",
+                    "Evicted prefix-tree blocks the host and disk tiers keep",
+                    m,
+                    kv.prefix_blocks,
+                )
+                yield _gauge(
                     f"{OWN}sessions_in_host_tier",
                     "Streaming sessions whose KV waits in the host tier",
                     m,
@@ -341,6 +347,21 @@ class EngineCollector(Collector):
                         "disk_tier_promotes",
                         "Session turns that loaded their history from the disk tier",
                         kv.disk_promotes,
+                    ),
+                    (
+                        "prefix_block_demotes",
+                        "Evicted prefix-tree blocks copied to the host tier",
+                        kv.block_demotes,
+                    ),
+                    (
+                        "prefix_block_promotes",
+                        "Admissions that loaded prefix blocks from a tier",
+                        kv.block_promotes,
+                    ),
+                    (
+                        "prefix_block_loaded_tokens",
+                        "Positions loaded from prefix blocks, not prefilled",
+                        kv.block_loaded_tokens,
                     ),
                 ):
                     yield _counter(f"{OWN}{name}", doc, m, value)
