@@ -11,7 +11,10 @@ Turn protocol (the tokenizer drives it):
   EndTurn (after the request's final report; the scheduler has already settled its KV)
 Close or idle timeout releases the slot (`CloseSlots` to the allocator); a close while a
 turn runs takes effect when that turn ends. An offload (a client's hint between turns) has
-the allocator move the slot's KV out of the pool now, to the host tier when there is one.
+the allocator move the slot's KV out of the pool now, to the host tier when there is one; a
+prefetch brings it back from a tier into the pool before the next turn. A session opened
+with a priority keeps its KV in the pool (and the tiers) ahead of lower ones; with retain_s,
+its KV stays in the tiers that long after each turn unless nothing else is left to drop.
 With a disk tier, a drain persists the idle sessions (their KV to files, their facts in the
 runner's manifest) and the next start takes them back before answering about any session.
 
@@ -37,6 +40,8 @@ from transport.messages.alloc import (
     OpenSlot,
     PersistSlots,
     PersistSlotsReply,
+    PrefetchSlot,
+    PrefetchSlotReply,
     RestoreSlots,
     RestoreSlotsReply,
     SlotStats,
@@ -56,12 +61,14 @@ from transport.messages.sessions import (
     OffloadSession,
     OpenSession,
     PersistSessions,
+    PrefetchSession,
     SessionInfo,
     SessionsPersisted,
 )
 from transport.messages.tiers import PersistedSession
 
 RESTORE_TIMEOUT_S = 300.0  # persisting or restoring many sessions' files, a runner loading
+MAX_PRIORITY = 1000
 
 
 @dataclass
@@ -74,6 +81,8 @@ class Session:
     tokens: int = 0  # prompt + output of the last good turn
     busy_rid: int | None = None  # the turn in flight
     close_pending: bool = False  # closed while a turn ran: release when it ends
+    priority: int = 0  # the client's hints (`OpenSession`), kept by the allocator's slot
+    retain_s: float = 0.0
 
 
 class SessionsActor(Actor):
@@ -82,6 +91,7 @@ class SessionsActor(Actor):
         | GetSession
         | CloseSession
         | OffloadSession
+        | PrefetchSession
         | BeginTurn
         | EndTurn
         | PersistSessions
@@ -130,6 +140,8 @@ class SessionsActor(Actor):
                         last_used=now,
                         turns=p.turns,
                         tokens=p.tokens,
+                        priority=p.priority,
+                        retain_s=p.retain_s,
                     )
             if reply.sessions:
                 self.log.info("sessions restored", sessions=len(reply.sessions))
@@ -146,6 +158,8 @@ class SessionsActor(Actor):
                 max_tokens=s.max_tokens,
                 turns=s.turns,
                 tokens=s.tokens,
+                priority=s.priority,
+                retain_s=s.retain_s,
             )
             for s in idle
         ]
@@ -174,19 +188,24 @@ class SessionsActor(Actor):
             return ErrorReply(code=ERR_SESSION_NOT_FOUND, message=_NOT_FOUND)
         if isinstance(msg, GetSession):
             return await self._info(s)
-        if isinstance(msg, OffloadSession):
+        if isinstance(msg, OffloadSession | PrefetchSession):
+            verb = "offload" if isinstance(msg, OffloadSession) else "prefetch"
             if s.busy_rid is not None:
                 return ErrorReply(
                     code=ERR_SESSION_BUSY,
-                    message="the session is running a turn; offload it when the turn ends",
+                    message=f"the session is running a turn; {verb} it when the turn ends",
                 )
-            reply = await self.alloc.call(OffloadSlot(session_id=s.id), expect=OffloadSlotReply)
-            self.log.info(
-                "session offloaded",
-                session=_tag(s.id),
-                pages=reply.pages,
-                stored=reply.stored_tokens,
-            )
+            if verb == "offload":
+                off = await self.alloc.call(OffloadSlot(session_id=s.id), expect=OffloadSlotReply)
+                self.log.info(
+                    "session offloaded",
+                    session=_tag(s.id),
+                    pages=off.pages,
+                    stored=off.stored_tokens,
+                )
+            else:
+                got = await self.alloc.call(PrefetchSlot(session_id=s.id), expect=PrefetchSlotReply)
+                self.log.info("session prefetched", session=_tag(s.id), pool=got.pool_tokens)
             return await self._info(s)
         if isinstance(msg, CloseSession):
             if s.busy_rid is not None:
@@ -211,6 +230,10 @@ class SessionsActor(Actor):
             return _invalid(f"ttl_s must be in (0, {self.max_ttl_s:g}] (0: {self.default_ttl_s:g})")
         if not 0 <= msg.max_tokens <= self.context_len:
             return _invalid(f"max_tokens must be in [0, {self.context_len}] (0: the context)")
+        if not -MAX_PRIORITY <= msg.priority <= MAX_PRIORITY:
+            return _invalid(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+        if not 0 <= msg.retain_s <= ttl:
+            return _invalid(f"retain_s must be in [0, ttl_s] (ttl_s is {ttl:g})")
         if len(self.sessions) >= self.max_sessions:
             return ErrorReply(
                 code=ERR_SESSION_LIMIT,
@@ -219,12 +242,16 @@ class SessionsActor(Actor):
         sid = msg.session_id or secrets.token_hex(12)
         if not 0 < len(sid) <= 128 or sid in self.sessions:
             return _invalid("session_id must be 1..128 characters and not in use")
-        await self.alloc.call(OpenSlot(session_id=sid), expect=Ack)
+        await self.alloc.call(
+            OpenSlot(session_id=sid, priority=msg.priority, retain_s=msg.retain_s), expect=Ack
+        )
         s = Session(
             id=sid,
             ttl_s=ttl,
             max_tokens=msg.max_tokens or self.context_len,
             last_used=time.monotonic(),
+            priority=msg.priority,
+            retain_s=msg.retain_s,
         )
         self.sessions[sid] = s
         self.opened += 1
@@ -238,6 +265,8 @@ class SessionsActor(Actor):
             held_tokens=0,
             idle_s=0.0,
             busy=False,
+            priority=s.priority,
+            retain_s=s.retain_s,
         )
 
     async def _release(self, sessions: list[Session]) -> None:
@@ -310,6 +339,9 @@ class SessionsActor(Actor):
             idle_s=0.0 if s.busy_rid is not None else time.monotonic() - s.last_used,
             busy=s.busy_rid is not None,
             closed=closed,
+            pool_tokens=held.pool_tokens,
+            priority=s.priority,
+            retain_s=s.retain_s,
         )
 
 

@@ -228,11 +228,18 @@ class KvactorClient:
 
     # ---- streaming sessions --------------------------------------------------------------
 
-    async def open_session(self, ttl_s: float = 0.0, max_tokens: int = 0) -> ClientSessionInfo:
+    async def open_session(
+        self, ttl_s: float = 0.0, max_tokens: int = 0, priority: int = 0, retain_s: float = 0.0
+    ) -> ClientSessionInfo:
         """A new streaming session: pass its `session_id` to `stream`/`complete` with the
         whole conversation each turn. `ttl_s`: idle timeout (0: the server's default);
-        `max_tokens`: the conversation's capacity (0: the context length)."""
-        return await self._session("open", ttl_s=ttl_s, max_tokens=max_tokens)
+        `max_tokens`: the conversation's capacity (0: the context length); `priority`: a
+        higher one keeps its KV in the server's pool and tiers longer; `retain_s` (at most
+        `ttl_s`): its KV stays in the tiers this long after each turn unless nothing else
+        is left to drop."""
+        return await self._session(
+            "open", ttl_s=ttl_s, max_tokens=max_tokens, priority=priority, retain_s=retain_s
+        )
 
     async def get_session(self, session_id: str) -> ClientSessionInfo:
         return await self._session("get", session_id=session_id)
@@ -245,6 +252,11 @@ class KvactorClient:
         """Move its KV out of the server's pool now (to the host tier, when the server has
         one), e.g. before a long tool call; its next turn loads it back."""
         return await self._session("offload", session_id=session_id)
+
+    async def prefetch_session(self, session_id: str) -> ClientSessionInfo:
+        """Load its KV from the server's tier back into its pool now, e.g. as a tool call
+        returns; `pool_tokens` in the reply says what the pool holds."""
+        return await self._session("prefetch", session_id=session_id)
 
     async def _session(self, op: str, **fields) -> ClientSessionInfo:
         if self._socket is None:

@@ -41,6 +41,8 @@ from transport.messages.alloc import (
     OpenSlot,
     PersistSlots,
     PersistSlotsReply,
+    PrefetchSlot,
+    PrefetchSlotReply,
     ReleaseBatch,
     ReleaseKind,
     RestoreSlots,
@@ -89,6 +91,7 @@ class AllocatorActor(Actor):
         | CloseSlots
         | SlotStatsRequest
         | OffloadSlot
+        | PrefetchSlot
         | PersistSlots
         | RestoreSlots
     )
@@ -190,7 +193,7 @@ class AllocatorActor(Actor):
         elif isinstance(msg, KvStatsRequest):
             return await self._stats(msg.check_invariants)
         elif isinstance(msg, OpenSlot):
-            ledger.open_slot(msg.session_id)
+            ledger.open_slot(msg.session_id, msg.priority, msg.retain_s)
             reply = None
         elif isinstance(msg, CloseSlots):
             reply = CloseSlotsReply(pages=await ledger.close_slots(list(msg.session_ids)))
@@ -198,11 +201,17 @@ class AllocatorActor(Actor):
             reply = await self._persist(msg)
         elif isinstance(msg, RestoreSlots):
             reply = await self._restore()
+        elif isinstance(msg, PrefetchSlot):
+            reply = PrefetchSlotReply(pool_tokens=await ledger.prefetch_slot(msg.session_id))
         elif isinstance(msg, OffloadSlot):
             pages, stored = await ledger.offload_slot(msg.session_id)
             reply = OffloadSlotReply(pages=pages, stored_tokens=stored)
         elif isinstance(msg, SlotStatsRequest):
-            return SlotStats(held_tokens=ledger.slot_tokens(msg.session_id))
+            slot = ledger.slots.get(msg.session_id)
+            return SlotStats(
+                held_tokens=ledger.slot_tokens(msg.session_id),
+                pool_tokens=slot.rec.kv_committed_len if slot and slot.rec else 0,
+            )
         elif isinstance(msg, DropCache):
             dropped = await ledger.drop_cache()
             self.log.warning("prefix cache dropped", pages=dropped)
@@ -283,6 +292,8 @@ class AllocatorActor(Actor):
         if refused:
             await self.port_tiers.drop(refused)
         kept = [s for s in found if s.handle not in set(refused)]
+        for s in kept:
+            self.ledger.hint_slot(s.session_id, s.priority, s.retain_s)
         self.log.info("sessions restored", sessions=len(kept), refused=len(refused))
         return RestoreSlotsReply(sessions=kept)
 

@@ -77,6 +77,7 @@ import functools
 import inspect
 import itertools
 import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -128,6 +129,7 @@ def _ledger_op(fn):
                 if not takes_deltas:
                     return await fn(*args, **kwargs)
                 deltas = signature.bind(*args, **kwargs).arguments["deltas"]
+                args[0]._send_pending(deltas)
                 try:
                     return await fn(*args, **kwargs)
                 finally:
@@ -181,6 +183,12 @@ class SessionSlot:
     close_pending: bool = False  # closed during a turn: released when the turn ends
     last_used: int = 0  # ledger clock at the last save or restore (LRU reclaim order)
     stored: int | None = None  # the handle of its KV in the host tier (then `rec` is None)
+    # The client's hints: a lower priority leaves the pool (and the tiers) first; for
+    # `retain_s` after each turn its KV is dropped from the tiers only when nothing else is
+    # left to drop (time.monotonic() deadline in `retain_until`).
+    priority: int = 0
+    retain_s: float = 0.0
+    retain_until: float = 0.0
 
 
 @dataclass(slots=True)
@@ -243,6 +251,8 @@ class KvLedger:
     salts: dict[int, str] = field(default_factory=dict)  # rid -> its cache_salt (if any)
     # full pages unmapped from the sliding pool and not yet sent to the runner
     _unmapped: list[np.ndarray] = field(default_factory=list)
+    # deltas of an operation that replies with none (a prefetch), sent first with the next
+    _pending: list = field(default_factory=list)
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
     _restoring: str | None = None  # the session whose slot an admission is moving now
     # The entries an admission is loading now (never moved nor dropped meanwhile).
@@ -488,6 +498,7 @@ class KvLedger:
         slot.tokens = np.array(tokens[: rec.kv_committed_len], dtype=np.int64)
         slot.turn = None
         slot.last_used = next(self._clock)
+        slot.retain_until = time.monotonic() + slot.retain_s
         node = self.lock_nodes.pop(rid, None)
         if node is not None:
             self.session_lock_nodes[session] = node
@@ -775,9 +786,18 @@ class KvLedger:
         rec.mark_released()
 
     # ---- sessions ------------------------------------------------------------------------
-    def open_slot(self, sid: str) -> None:
-        """An empty slot for a new session (idempotent)."""
-        self.slots.setdefault(sid, SessionSlot())
+    def open_slot(self, sid: str, priority: int = 0, retain_s: float = 0.0) -> None:
+        """An empty slot for a new session, with the client's hints (an open slot is kept
+        as it is)."""
+        if sid not in self.slots:
+            self.slots[sid] = SessionSlot()
+            self.hint_slot(sid, priority, retain_s)
+
+    def hint_slot(self, sid: str, priority: int, retain_s: float) -> None:
+        """Set a session's hints (`SessionSlot`); its retention counts from now."""
+        slot = self.slots[sid]
+        slot.priority, slot.retain_s = priority, retain_s
+        slot.retain_until = time.monotonic() + retain_s
 
     @_ledger_op
     async def close_slots(self, sessions: list[str]) -> int:
@@ -824,6 +844,70 @@ class KvLedger:
         pages = await self._release_slot_kv(sid, slot, cache=slot.stored is None)
         stored = self._entry(slot.stored).length if slot.stored is not None else 0
         return pages, stored
+
+    @_ledger_op
+    async def prefetch_slot(self, sid: str) -> int:
+        """A client's hint: load this idle session's KV from its tier back into the pool
+        now (its pages from the prefix tree where it still has them), so its next turn
+        starts without the load. The slot then holds a record as after a turn. Positions in
+        the pool after it; 0, changing nothing, when there is no tier entry, the pool or
+        the rows have no room without taking another session's, or the load failed (the
+        entry is then dropped and the next turn prefills)."""
+        slot = self.slots.get(sid)
+        if slot is None or slot.turn is not None:
+            return 0
+        if slot.rec is not None:
+            return slot.rec.kv_committed_len
+        if slot.stored is None or self.table.num_free_rows == 0:
+            return 0
+        entry = self._entry(slot.stored)
+        keys = entry.tokens.copy()
+        cached, node, prefix_slots = 0, None, _NO_PAGES
+        if self.tree is not None:
+            match = await self.tree.match_and_lock(keys)
+            usable = self._swa_usable(match.slots, match.length)
+            if usable < match.length:
+                await self.tree.unlock(match.node_id)
+                match = await self.tree.match_and_lock(keys[:usable])
+            if match.length:
+                cached, node, prefix_slots = match.length, match.node_id, match.slots
+        plan = plan_promotion(entry, len(keys), cached, self.window, self.page_size)
+        need = self._pages_for(cached, len(keys), open_page=False)
+        deltas: list = []
+        new_slots = None
+        # A hint never takes another session's KV out of the pool: free and evictable
+        # tree pages only.
+        if plan is not None and not await self._shortfall(need, with_sessions=False):
+            self._promoting = frozenset([slot.stored])
+            try:
+                new_slots = await self._reserve_slots(cached, len(keys), None, deltas)
+            finally:
+                self._promoting = frozenset()
+        if new_slots is not None and not await self._load_entry(sid, cached, plan, new_slots):
+            self._free_pages(pages_of_slots(new_slots, self.page_size))
+            new_slots = None
+        self._pending += deltas
+        if new_slots is None:
+            if node is not None:
+                await self.tree.unlock(node)
+            return 0
+        rec = ReqKvInfo()
+        row = self.table.alloc_row()
+        rec.req_pool_idx = row
+        rec.cache_protected_len = cached
+        rec.kv_allocated_len = rec.kv_committed_len = len(keys)
+        if plan.dead_to > plan.dead_from:
+            rec.swa_evict_floor, rec.swa_evicted_seqlen = plan.dead_from, plan.dead_to
+        elif self.swa is not None and not self.swa_free_prompt:
+            rec.swa_evict_floor = len(keys)
+        if cached:
+            self.table.write(row, 0, prefix_slots)
+            self._pending.append(SlotDelta(row, 0, prefix_slots))
+            self.session_lock_nodes[sid] = node
+        self.table.write(row, cached, new_slots)
+        self._pending.append(SlotDelta(row, cached, new_slots))
+        slot.rec, slot.tokens, slot.last_used = rec, keys, next(self._clock)
+        return len(keys)
 
     @_ledger_op
     async def persist_sessions(self, sessions: list[str]) -> list[tuple[str, TierEntry]]:
@@ -891,14 +975,14 @@ class KvLedger:
         return sum(self._own_pages(s.rec) for s in self.slots.values() if s.rec is not None)
 
     def _idle_slots(self) -> list[tuple[str, SessionSlot]]:
-        """Slots holding KV between turns, least recently used first (the one being restored
-        now excluded)."""
+        """Slots holding KV between turns, lowest priority and then least recently used first
+        (the one being restored now excluded)."""
         idle = [
             (sid, s)
             for sid, s in self.slots.items()
             if s.rec is not None and s.turn is None and sid != self._restoring
         ]
-        return sorted(idle, key=lambda item: item[1].last_used)
+        return sorted(idle, key=lambda item: (item[1].priority, item[1].last_used))
 
     async def _reclaim_session(self) -> bool:
         """Release the least recently used idle slot to the prefix tree (its committed whole
@@ -1021,18 +1105,32 @@ class KvLedger:
         if self.host is None:
             return
         while self.host.over_budget():
-            victims = [h for h in self.host.least_recent() if h not in self._promoting]
+            victims = self._victims(self.host)
             if not victims:
                 return
             if self.disk is None or not await self._spill(victims[0]):
                 await self._drop_entry(victims[0])
                 self.counters.tier_drops += 1
         while self.disk is not None and self.disk.over_budget():
-            victims = [h for h in self.disk.least_recent() if h not in self._promoting]
+            victims = self._victims(self.disk)
             if not victims:
                 return
             await self._drop_entry(victims[0])
             self.counters.tier_drops += 1
+
+    def _victims(self, tier: KvTier) -> list[int]:
+        """The tier's entries in the order they leave it: a retained session's last, then
+        by priority (prefix blocks: 0), least recently used first; never one being loaded."""
+        now = time.monotonic()
+
+        def rank(handle: int) -> tuple:
+            slot = self.slots.get(self.entry_session.get(handle, ""))
+            entry = tier.entries[handle]
+            if slot is None:
+                return (False, 0, entry.last_used)
+            return (slot.retain_until > now, slot.priority, entry.last_used)
+
+        return sorted((h for h in tier.entries if h not in self._promoting), key=rank)
 
     async def _spill(self, handle: int) -> bool:
         """Host -> disk: the runner writes the entry's bytes to a file (checksummed) and
@@ -1323,16 +1421,16 @@ class KvLedger:
             elif not await self._reclaim_session():
                 raise LedgerError(f"eviction found nothing; {missing} pages missing")
 
-    async def _shortfall(self, pages: int, returning: int = 0) -> int:
+    async def _shortfall(self, pages: int, returning: int = 0, with_sessions=True) -> int:
         """Pages missing for an allocation of `pages` once `returning` more are freed, every
-        idle session slot is released and every evictable tree page is evicted (0: it can be
-        done); changes nothing."""
+        idle session slot is released (unless not `with_sessions`) and every evictable tree
+        page is evicted (0: it can be done); changes nothing."""
         short = pages - returning - self.pool.num_free
         swa_short = pages - returning - self.swa.num_free if self.swa is not None else 0
         if short <= 0 and swa_short <= 0:
             return 0
         # An idle slot's own pages all end free or evictable once it is released.
-        for _, slot in self._idle_slots():
+        for _, slot in self._idle_slots() if with_sessions else ():
             short -= self._own_pages(slot.rec)
             if self.swa is not None:
                 swa_short -= int(self.swa.mapped(self._own_page_ids(slot.rec)).sum())
@@ -1390,6 +1488,13 @@ class KvLedger:
             self.swa.unmap(had)
             self._unmapped.append(had)
         return int(had.size)
+
+    def _send_pending(self, deltas: list) -> None:
+        """Deltas made by operations that reply with none go to the runner at the front of
+        the next operation's, in order."""
+        if self._pending:
+            deltas[:0] = self._pending
+            self._pending = []
 
     def _send_unmapped(self, deltas: list) -> None:
         """Pending unmappings go to the runner as mappings to the padding page 0, before

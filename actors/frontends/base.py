@@ -51,6 +51,7 @@ from transport.messages.sessions import (
     GetSession,
     OffloadSession,
     OpenSession,
+    PrefetchSession,
     SessionInfo,
 )
 
@@ -261,13 +262,23 @@ class EngineClient:
     # ---- streaming sessions ----------------------------------------------------------------
     # Sessions are owned by an API key (`key`, "" without keys): see `engine_session_id`.
     async def open_session(
-        self, ttl_s: float = 0.0, max_tokens: int = 0, key: str = ""
+        self,
+        ttl_s: float = 0.0,
+        max_tokens: int = 0,
+        key: str = "",
+        priority: int = 0,
+        retain_s: float = 0.0,
     ) -> SessionInfo:
         """A new session (ttl_s: idle timeout, 0 = the server's default; max_tokens: the
-        conversation's capacity, 0 = the context length), usable under `key` only."""
+        conversation's capacity, 0 = the context length; the hints `priority` and
+        `retain_s`, see `OpenSession`), usable under `key` only."""
         session_id = secrets.token_hex(12)  # the client's id; the engine gets its name
         msg = OpenSession(
-            ttl_s=ttl_s, max_tokens=max_tokens, session_id=engine_session_id(key, session_id)
+            ttl_s=ttl_s,
+            max_tokens=max_tokens,
+            session_id=engine_session_id(key, session_id),
+            priority=priority,
+            retain_s=retain_s,
         )
         return await self._session_call(msg, session_id)
 
@@ -285,6 +296,12 @@ class EngineClient:
         client knows the session will idle (a long tool call); its next turn loads it back."""
         name = engine_session_id(key, session_id)
         return await self._session_call(OffloadSession(session_id=name), session_id)
+
+    async def prefetch_session(self, session_id: str, key: str = "") -> SessionInfo:
+        """Load its KV from the tier it waits in back into the pool now: the client knows
+        its next turn is coming (a tool call is about to return)."""
+        name = engine_session_id(key, session_id)
+        return await self._session_call(PrefetchSession(session_id=name), session_id)
 
     async def _session_call(self, msg, session_id: str) -> SessionInfo:
         """The sessions actor's answer to `msg`, naming the session by the client's id."""

@@ -325,11 +325,15 @@ class ZmqEndpointActor(FrontendActor):
         assert self.client is not None
         try:
             if msg.op == "open":
-                info = await self.client.open_session(msg.ttl_s, msg.max_tokens, key)
+                info = await self.client.open_session(
+                    msg.ttl_s, msg.max_tokens, key, msg.priority, msg.retain_s
+                )
             elif msg.op == "get":
                 info = await self.client.get_session(msg.session_id, key)
             elif msg.op == "offload":
                 info = await self.client.offload_session(msg.session_id, key)
+            elif msg.op == "prefetch":
+                info = await self.client.prefetch_session(msg.session_id, key)
             else:
                 info = await self.client.close_session(msg.session_id, key)
         except GenerationError as exc:
@@ -351,6 +355,9 @@ class ZmqEndpointActor(FrontendActor):
                 idle_s=info.idle_s,
                 busy=info.busy,
                 closed=info.closed,
+                pool_tokens=info.pool_tokens,
+                priority=info.priority,
+                retain_s=info.retain_s,
             ),
         )
 

@@ -277,12 +277,24 @@ def test_http_sessions_with_the_openai_client(server):
         off = httpx.post(f"{base}/v1/sessions/{sid}/offload", headers=server.auth)
         assert off.status_code == 200, off.text
         assert off.json()["held_tokens"] == got["held_tokens"]  # held, in the host tier
+        assert off.json()["pool_tokens"] == 0
         metrics = scrape_metrics(server)
         assert metrics["kvactor:sessions_in_host_tier"] == 1
         assert metrics['kvactor:kv_host_tier_bytes{kind="used"}'] > 0
         assert metrics['kvactor:kv_pages{state="session"}'] == 0
         for bad in (f"/v1/sessions/{'x' * 24}/offload", f"/v1/sessions/{sid}/later"):
             assert httpx.post(f"{base}{bad}", headers=server.auth).status_code == 404
+        # The tool call returns: the client has the KV brought back before the next turn.
+        back = httpx.post(f"{base}/v1/sessions/{sid}/prefetch", headers=server.auth)
+        assert back.status_code == 200, back.text
+        assert back.json()["pool_tokens"] == back.json()["held_tokens"] == got["held_tokens"]
+        metrics = scrape_metrics(server)
+        assert metrics["kvactor:sessions_in_host_tier"] == 0
+        assert metrics['kvactor:kv_pages{state="session"}'] > 0
+        assert metrics["kvactor:session_promotes_total"] >= 1
+        missing = f"{base}/v1/sessions/{'x' * 24}/prefetch"
+        assert httpx.post(missing, headers=server.auth).status_code == 404
+        httpx.post(f"{base}/v1/sessions/{sid}/offload", headers=server.auth)
         messages.append({"role": "assistant", "content": two.choices[0].message.content})
         messages.append({"role": "user", "content": "And one nut."})
         three = oa.chat.completions.create(
@@ -330,6 +342,16 @@ def test_http_sessions_with_the_openai_client(server):
     assert httpx.delete(f"{base}/v1/sessions/{sid}", headers=server.auth).status_code == 404
     bad = httpx.post(f"{base}/v1/sessions", json={"ttl_s": -1}, headers=server.auth)
     assert bad.status_code == 400
+    hinted = httpx.post(
+        f"{base}/v1/sessions",
+        json={"ttl_s": 60, "priority": 3, "retain_s": 30},
+        headers=server.auth,
+    )
+    assert hinted.status_code == 200, hinted.text
+    assert (hinted.json()["priority"], hinted.json()["retain_s"]) == (3, 30)
+    for bad_hint in ({"ttl_s": 10, "retain_s": 20}, {"priority": 10**6}):
+        refused = httpx.post(f"{base}/v1/sessions", json=bad_hint, headers=server.auth)
+        assert refused.status_code == 400, refused.text
     assert httpx.post(f"{base}/v1/sessions", headers=server.auth).status_code == 200
     assert httpx.post(f"{base}/v1/sessions").status_code == 401  # the API key applies
 
@@ -337,7 +359,8 @@ def test_http_sessions_with_the_openai_client(server):
 @pytest.mark.anyio
 async def test_zmq_sessions(server):
     async with KvactorClient(server.zmq_address, api_key=server.api_key) as client:
-        info = await client.open_session(ttl_s=30)
+        info = await client.open_session(ttl_s=30, priority=-2, retain_s=10)
+        assert (info.priority, info.retain_s) == (-2, 10)
         sid = info.session_id
         params = GenerationParams(max_tokens=6, temperature=0.0)
         first = await client.complete(
@@ -350,6 +373,9 @@ async def test_zmq_sessions(server):
         assert got.turns == 2 and got.held_tokens > 0
         offloaded = await client.offload_session(sid)
         assert offloaded.held_tokens == got.held_tokens  # in the host tier now
+        assert offloaded.pool_tokens == 0
+        back = await client.prefetch_session(sid)
+        assert back.pool_tokens == back.held_tokens == got.held_tokens
         third = await client.complete(prompt=prompt2 + second.text, params=params, session_id=sid)
         assert third.usage.cached_tokens >= second.usage.prompt_tokens
         closed = await client.close_session(sid)

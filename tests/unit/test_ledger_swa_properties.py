@@ -615,6 +615,17 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
     def close_session(self, sid):
         run_sync(self.ledger.close_slots([sid]))
 
+    @rule(sid=st.sampled_from(SESSIONS), prefetch=st.booleans())
+    def hint_session(self, sid, prefetch):
+        """A client's hint between turns: the session's KV out of the pool (offload), or
+        back into it from its tier (prefetch); its next turn then restores or loads."""
+        if self.ledger.host is None:
+            return
+        if prefetch:
+            run_sync(self.ledger.prefetch_slot(sid))
+        else:
+            run_sync(self.ledger.offload_slot(sid))
+
     def _turn_prompt(self, data, sid, how, suffix):
         hist = self.history.get(sid)
         if how == "fresh" or hist is None:

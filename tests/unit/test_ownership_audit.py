@@ -63,6 +63,15 @@ OWNER_SITES: dict[tuple[str, str, str], int] = {
     # an admission's floor: the prompt's length, or a promoted history's freed range (tiers)
     ("actors/allocator/ledger.py", "KvLedger.alloc_extend", "swa_evict_floor"): 2,
     ("actors/allocator/ledger.py", "KvLedger.alloc_extend", "swa_evicted_seqlen"): 1,
+    # a client's prefetch: a session's tier entry loaded into a new record its slot owns
+    ("actors/allocator/ledger.py", "KvLedger.prefetch_slot", "ReqKvInfo()"): 1,
+    ("actors/allocator/ledger.py", "KvLedger.prefetch_slot", "req_pool_idx"): 1,
+    ("actors/allocator/ledger.py", "KvLedger.prefetch_slot", "cache_protected_len"): 1,
+    ("actors/allocator/ledger.py", "KvLedger.prefetch_slot", "kv_allocated_len"): 1,
+    ("actors/allocator/ledger.py", "KvLedger.prefetch_slot", "kv_committed_len"): 1,
+    ("actors/allocator/ledger.py", "KvLedger.prefetch_slot", "swa_evict_floor"): 2,
+    ("actors/allocator/ledger.py", "KvLedger.prefetch_slot", "swa_evicted_seqlen"): 1,
+    ("actors/allocator/ledger.py", "KvLedger.prefetch_slot", "<slot.rec =>"): 1,
     ("actors/allocator/ledger.py", "KvLedger._restore", "swa_evict_floor"): 1,
     # admission of a session's turn on the session's record: trimmed, then extended
     ("actors/allocator/ledger.py", "KvLedger._restore", "kv_allocated_len"): 1,

@@ -159,9 +159,12 @@ class KvStats(Message):
 
 
 class OpenSlot(Message):
-    """Sessions -> allocator: a new session (its slot holds nothing yet)."""
+    """Sessions -> allocator: a new session (its slot holds nothing yet), with the client's
+    hints (`OpenSession`)."""
 
     session_id: str
+    priority: int = 0
+    retain_s: float = 0.0
 
 
 class CloseSlots(Message):
@@ -199,6 +202,16 @@ class OffloadSlot(Message):
     session_id: str
 
 
+class PrefetchSlot(Message):
+    """Sessions -> allocator: load this idle session's KV from its tier into the pool now."""
+
+    session_id: str
+
+
+class PrefetchSlotReply(Message):
+    pool_tokens: int  # positions the pool holds for it now (0: nothing loaded)
+
+
 class OffloadSlotReply(Message):
     pages: int  # pool pages the slot gave back
     stored_tokens: int  # positions the host tier holds for it now (0: no tier, or failed)
@@ -209,7 +222,8 @@ class SlotStatsRequest(Message):
 
 
 class SlotStats(Message):
-    held_tokens: int  # tokens whose KV the session holds now
+    held_tokens: int  # tokens whose KV the session holds now (pool or tiers)
+    pool_tokens: int = 0  # of them, in the pool
 
 
 class IdleCheck(Message):

@@ -29,7 +29,8 @@ Client -> engine
 `ClientAbort`   end a live request. The engine answers with a final `ClientChunk` whose
                 `finish_reason` is "abort" (unknown ids are ignored).
 `ClientSession` open (`op="open"`, optional `ttl_s`, `max_tokens`), inspect (`"get"`),
-                close (`"close"`) or offload (`"offload"`: its KV to the host tier now) a
+                close (`"close"`), offload (`"offload"`: its KV to the host tier now) or
+                prefetch (`"prefetch"`: its KV back into the pool now) a
                 streaming session; answered by one `ClientSessionInfo`
                 (or a `ClientError`) naming the frame's `request_id`. A `ClientSubmit` with
                 `session_id` is a turn of that session: its prompt is the whole
@@ -103,10 +104,12 @@ class ClientAbort(Message):
 
 class ClientSession(Message):
     request_id: str
-    op: Literal["open", "get", "close", "offload"]
-    session_id: str = ""  # get, close, offload
+    op: Literal["open", "get", "close", "offload", "prefetch"]
+    session_id: str = ""  # get, close, offload, prefetch
     ttl_s: float = 0.0  # open: idle timeout in seconds; 0: the server's default
     max_tokens: int = 0  # open: tokens the conversation may reach; 0: the context length
+    priority: int = 0  # open: a higher one keeps its KV in the pool and the tiers longer
+    retain_s: float = 0.0  # open: its KV stays in the tiers this long after each turn
     api_key: str | None = None
 
 
@@ -121,6 +124,9 @@ class ClientSessionInfo(Message):
     idle_s: float
     busy: bool
     closed: bool = False
+    pool_tokens: int = 0  # of held_tokens, those in the pool (the rest wait in a tier)
+    priority: int = 0
+    retain_s: float = 0.0
 
 
 class ClientUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -23,6 +23,11 @@ class OpenSession(Message):
     ttl_s: float = 0.0  # idle seconds before the session closes itself; 0: the default
     max_tokens: int = 0  # conversation tokens the session may hold; 0: the context length
     session_id: str = ""  # its name (a frontend's engine_session_id); "": the actor picks one
+    # Hints. A higher priority keeps its KV in the pool (and the tiers) longer; for
+    # retain_s seconds after each turn (at most ttl_s) its KV is dropped from the tiers
+    # only when nothing else is left to drop.
+    priority: int = 0
+    retain_s: float = 0.0
 
 
 class SessionInfo(Message):
@@ -35,6 +40,9 @@ class SessionInfo(Message):
     idle_s: float  # seconds since the last turn ended (or since open)
     busy: bool  # a turn is running
     closed: bool = False  # closed by this call (or, with busy, closes when the turn ends)
+    pool_tokens: int = 0  # of held_tokens, those in the pool (the rest wait in a tier)
+    priority: int = 0
+    retain_s: float = 0.0
 
 
 class GetSession(Message):
@@ -51,6 +59,13 @@ class PersistSessions(Message):
 
 class SessionsPersisted(Message):
     persisted: int
+
+
+class PrefetchSession(Message):
+    """Load an idle session's KV from its tier back into the pool now (its next turn is
+    coming); the reply's held_tokens say what the pool holds."""
+
+    session_id: str
 
 
 class OffloadSession(Message):

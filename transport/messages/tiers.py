@@ -56,6 +56,8 @@ class PersistedSession(Message):
     max_tokens: int
     turns: int
     tokens: int
+    priority: int = 0
+    retain_s: float = 0.0
     handle: int = 0
     tokens_keys: list[int] = []  # the prefix-cache keys of the stored positions
     alive: list[bool] = []  # per page: its sliding KV is stored ([] : one pool)

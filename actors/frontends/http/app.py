@@ -459,7 +459,10 @@ class GatewayApp:
         body = await self.bodies.read(scope, receive)
         req: SessionCreate = self.bodies.decode(body if body.strip() else b"{}", SessionCreate)
         key = scope.get("kvactor.api_key", "")
-        await self._session_reply(send, self.client.open_session(req.ttl_s, req.max_tokens, key))
+        await self._session_reply(
+            send,
+            self.client.open_session(req.ttl_s, req.max_tokens, key, req.priority, req.retain_s),
+        )
 
     # A session opened under one API key does not exist under another: EngineClient names
     # it for the engine by (key, id), so another key names a session that is not there (404).
@@ -472,8 +475,14 @@ class GatewayApp:
         await self._session_reply(send, self.client.close_session(_session_id(scope), key))
 
     async def _session_action(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """POST /v1/sessions/{id}/offload: move the session's KV out of the pool now."""
+        """POST /v1/sessions/{id}/offload: move the session's KV out of the pool now;
+        POST /v1/sessions/{id}/prefetch: bring it back into the pool now."""
         key = scope.get("kvactor.api_key", "")
+        path = scope.get("path", "")
+        if path.endswith("/prefetch"):
+            session_id = path_id(scope, "/v1/sessions/", suffix="/prefetch")
+            await self._session_reply(send, self.client.prefetch_session(session_id, key))
+            return
         session_id = path_id(scope, "/v1/sessions/", suffix="/offload")
         await self._session_reply(send, self.client.offload_session(session_id, key))
 
@@ -492,6 +501,9 @@ class GatewayApp:
             idle_s=round(info.idle_s, 3),
             busy=info.busy,
             closed=info.closed,
+            pool_tokens=info.pool_tokens,
+            priority=info.priority,
+            retain_s=info.retain_s,
         )
         await send_response(send, 200, _json.encode(body))
 

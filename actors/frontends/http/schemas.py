@@ -181,6 +181,8 @@ class SessionCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # idle timeout; 0: the server's default
     max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # conversation capacity; 0: the context
+    priority: int = 0  # a higher one keeps its KV in the pool and the tiers longer
+    retain_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # kept in the tiers this long per turn
 
 
 class SessionObject(msgspec.Struct):
@@ -194,6 +196,9 @@ class SessionObject(msgspec.Struct):
     busy: bool
     object: str = "session"
     closed: bool = False
+    pool_tokens: int = 0  # of held_tokens, those in the pool (the rest wait in a tier)
+    priority: int = 0
+    retain_s: float = 0.0
 
 
 # ---- responses -------------------------------------------------------------------------------
