@@ -954,6 +954,8 @@ class KvLedger:
             entry.last_used = next(self._clock)
             self.disk.add(entry)
             self.entry_session[entry.handle] = sid
+            if self.prefix_blocks is not None:
+                self.prefix_blocks.cover(entry.handle, entry.tokens)
             self.slots[sid] = SessionSlot(stored=entry.handle, last_used=entry.last_used)
         in_use = [h for t in self._tiers() for h in t.entries]
         handles = in_use + [entry.handle for _, entry in persisted]
@@ -1028,6 +1030,8 @@ class KvLedger:
         entry = TierEntry(handle, slot.tokens.copy(), alive, nbytes, next(self._clock))
         self.host.add(entry)
         self.entry_session[handle] = sid
+        if self.prefix_blocks is not None:
+            self.prefix_blocks.cover(handle, entry.tokens)
         slot.stored = handle
         self.counters.session_demotes += 1
 
@@ -1087,6 +1091,8 @@ class KvLedger:
         if self.prefix_blocks is not None and handle in self.prefix_blocks:
             self.prefix_blocks.remove(handle)
         else:
+            if self.prefix_blocks is not None:
+                self.prefix_blocks.uncover(handle)
             slot = self.slots.get(self.entry_session.pop(handle))
             if slot is not None and slot.stored == handle:
                 slot.stored = None
@@ -1170,6 +1176,9 @@ class KvLedger:
             return
         end = block.start + n
         tokens = np.asarray(block.key[:end], dtype=np.int64)
+        if self.prefix_blocks.is_covered(tokens, end):
+            self.counters.block_demote_skips += 1  # a session's entry holds it already
+            return
         known = self.prefix_blocks.get(tokens, block.start)
         if known is not None:
             entry = self._entry(known)

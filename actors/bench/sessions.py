@@ -6,14 +6,15 @@ the server at `--url`. Each session runs `--turns` turns one after another; a tu
 whole conversation so far (the previous prompt, its answer, and about `--new-tokens` new
 tokens of text) as a streaming completion on the session, greedy, `--output-tokens` tokens;
 between turns the session idles `--pause-s` on average (a tool call). `--concurrency`
-sessions run at once.
+sessions run at once; with `--all-open`, every session is open from the start (the agents
+all wait on their tools at once) and `--concurrency` bounds the turns in flight instead.
 
 Reported: for turns after the first, the history the session held (previous prompt +
 answer, less the last sampled token, which has no KV), how much of it came back cached, and
 the re-prefilled tokens as a share of the history (what dropping idle sessions' KV would
 re-prefill); TTFT per turn index (p50, p90); the host tier's figures from /metrics (bytes,
 demotions, promotions, positions loaded, drops, failures) and the idle KV check.
-`--verify N` re-sends the last turn of N sessions without a session and with a cache salt of
+`--verify N` re-sends every turn of N sessions without a session and with a cache salt of
 its own (nothing reused) and compares the answers. `--restore-tokens T` times one session of
 about T history tokens restored three ways: from the pool (the session kept it), from the
 host tier (offloaded by the client's hint first) and by prefilling it (no session, a cache
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -92,8 +94,16 @@ def words_for(seed: int, vocabulary: list[str], n_tokens: int) -> str:
 
 
 async def one_session(
-    client: httpx.AsyncClient, model: str, index: int, args, vocabulary, run: Run
+    client: httpx.AsyncClient,
+    model: str,
+    index: int,
+    args,
+    vocabulary,
+    run: Run,
+    turn_slots: asyncio.Semaphore | None = None,
 ) -> None:
+    """The session's turns one after another; `turn_slots` (with --all-open) bounds the
+    turns in flight across sessions."""
     rng = random.Random(args.seed * 1000 + index)
     created = await client.post("/v1/sessions", json={"ttl_s": 3600})
     created.raise_for_status()
@@ -112,7 +122,8 @@ async def one_session(
                 "session_id": sid,
             }
             try:
-                text, usage, ttft, error = await stream_completion(client, body)
+                async with turn_slots or contextlib.nullcontext():
+                    text, usage, ttft, error = await stream_completion(client, body)
             except httpx.HTTPError as exc:  # this session's turn fails; the others go on
                 text, usage, ttft, error = "", {}, 0.0, f"{type(exc).__name__}: {exc}"
             turn = Turn(index, k, ttft_s=ttft, text=text, error=error)
@@ -143,26 +154,35 @@ async def drive(base_url: str, args) -> tuple[Run, dict]:
             while queue:
                 await one_session(client, model, queue.pop(0), args, vocabulary, run)
 
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        if args.all_open:
+            slots = asyncio.Semaphore(args.concurrency)
+            await asyncio.gather(
+                *(one_session(client, model, i, args, vocabulary, run, slots) for i in queue)
+            )
+        else:
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         checks = await verify(client, model, run, args)
         restore = await restore_probe(client, model, vocabulary, args)
     return run, {"verify": checks, "restore": restore}
 
 
 async def verify(client, model: str, run: Run, args) -> dict:
-    """The last turn of the first `--verify` sessions, again without a session: the same
+    """Every turn of the first `--verify` sessions, again without a session: the same
     answer (greedy) is expected."""
-    last = {t.session: t for t in run.turns if t.turn == args.turns - 1 and not t.error}
+    whole = {}  # session -> its turns, for the sessions whose every turn went through
+    for t in run.turns:
+        whole.setdefault(t.session, []).append(t)
+    complete = sorted(i for i, ts in whole.items() if not any(t.error for t in ts))
     same = differ = 0
-    for index in sorted(last)[: args.verify]:
-        t = last[index]
+    for t in [t for index in complete[: args.verify] for t in whole[index]]:
+        index = t.session
         body = {
             "model": model,
             "prompt": run.prompts[(index, t.turn)],
             "max_tokens": args.output_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
-            "cache_salt": f"verify-{index}",
+            "cache_salt": f"verify-{index}-{t.turn}",
         }
         text, _, _, error = await stream_completion(client, body)
         if not error and text == t.text:
@@ -267,7 +287,11 @@ def summarize(run: Run, figures: dict, probes: dict, args) -> dict:
     ttft = {}
     for k in range(args.turns):
         xs = [t.ttft_s for t in run.turns if t.turn == k and not t.error]
-        ttft[k] = {"p50_s": round(percentile(xs, 0.5), 4), "p90_s": round(percentile(xs, 0.9), 4)}
+        ttft[k] = {
+            "p50_s": round(percentile(xs, 0.5), 4),
+            "p90_s": round(percentile(xs, 0.9), 4),
+            "p99_s": round(percentile(xs, 0.99), 4),
+        }
 
     def f(name: str) -> float:
         return figures.get(name, 0)
@@ -297,6 +321,11 @@ def summarize(run: Run, figures: dict, probes: dict, args) -> dict:
             "loaded_tokens": f("kvactor:host_tier_loaded_tokens_total"),
             "drops": f("kvactor:host_tier_drops_total"),
             "failures": f("kvactor:host_tier_failures_total"),
+            "spills_to_disk": f("kvactor:host_tier_spills_total"),
+            "disk_bytes_used_at_end": f("kvactor:kv_disk_tier_bytes{kind=used}"),
+            "disk_promotes": f("kvactor:disk_tier_promotes_total"),
+            "prefix_block_demotes": f("kvactor:prefix_block_demotes_total"),
+            "prefix_block_loaded_tokens": f("kvactor:prefix_block_loaded_tokens_total"),
         },
         "session_reclaims": f("kvactor:session_reclaims_total"),
         "kv_pages_total": f("kvactor:kv_pages{state=free}")
@@ -321,8 +350,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=300, help="new text per turn, about")
     p.add_argument("--output-tokens", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=4, help="sessions running at once")
+    p.add_argument(
+        "--all-open",
+        action="store_true",
+        help="every session open from the start; --concurrency bounds the turns in flight",
+    )
     p.add_argument("--pause-s", type=float, default=1.0, help="mean tool-call pause")
-    p.add_argument("--verify", type=int, default=4, help="last turns re-sent without session")
+    p.add_argument(
+        "--verify", type=int, default=4, help="sessions re-sent turn by turn without one"
+    )
     p.add_argument("--restore-tokens", type=int, default=2000, help="0: no restore probe")
     p.add_argument(
         "--no-flush",

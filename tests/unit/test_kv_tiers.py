@@ -149,6 +149,12 @@ def test_the_checker_holds_each_prefix_block_to_the_index():
     block.tokens[0] = 7  # its tokens no longer hash to the key it is found under
     with pytest.raises(TierViolation, match="indexed under another prefix"):
         check_tiers([host], {}, set(), prefix_blocks=index)
+    block.tokens[0] = 100
+    index.cover(5, tokens[:8])  # a session's entry that is not stored
+    with pytest.raises(TierViolation, match="counts \\[5\\] as sessions' entries"):
+        check_tiers([host], {}, set(), prefix_blocks=index)
+    index.uncover(5)
+    assert index.covered == {}
     index.remove(1)
     host.remove(1)
     index.keys[9] = b"x"  # the index names a handle no tier holds
