@@ -92,18 +92,12 @@ class KvTier:
 
 class PrefixIndex:
     """Prefix blocks by the hash of their tokens [0, start + page): `plan_block_loads` walks
-    a request's tokens block by block from where the prefix tree's match ended.
-
-    It also knows which token prefixes a session's entry holds (`cover`): a block the pool
-    evicts that a session's entry already holds is not copied again (a demoted session's
-    pages go to the prefix tree too, and are evicted from there later)."""
+    a request's tokens block by block from where the prefix tree's match ended."""
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.handles: dict[bytes, int] = {}
         self.keys: dict[int, bytes] = {}  # handle -> its key
-        self.covered: dict[bytes, set[int]] = {}  # prefix key -> session entries holding it
-        self.cover_keys: dict[int, list[bytes]] = {}  # session entry -> its prefix keys
 
     def __contains__(self, handle: int) -> bool:
         return handle in self.keys
@@ -114,34 +108,6 @@ class PrefixIndex:
     def key_of(self, tokens: np.ndarray, start: int) -> bytes:
         head = np.ascontiguousarray(tokens[: start + self.page_size], dtype=np.int64)
         return hashlib.blake2b(head.tobytes(), digest_size=16).digest()
-
-    def page_keys(self, tokens: np.ndarray) -> list[bytes]:
-        """`key_of(tokens, p)` for every whole page p of `tokens`, in one pass."""
-        ps = self.page_size
-        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-        h = hashlib.blake2b(digest_size=16)
-        keys = []
-        for end in range(ps, len(tokens) + 1, ps):
-            h.update(tokens[end - ps : end].tobytes())
-            keys.append(h.copy().digest())
-        return keys
-
-    def cover(self, handle: int, tokens: np.ndarray) -> None:
-        keys = self.page_keys(tokens)
-        self.cover_keys[handle] = keys
-        for key in keys:
-            self.covered.setdefault(key, set()).add(handle)
-
-    def uncover(self, handle: int) -> None:
-        for key in self.cover_keys.pop(handle, ()):
-            holders = self.covered[key]
-            holders.discard(handle)
-            if not holders:
-                del self.covered[key]
-
-    def is_covered(self, tokens: np.ndarray, end: int) -> bool:
-        """A session's entry holds the KV of tokens [0, end) (`end` a page multiple)."""
-        return self.key_of(tokens, end - self.page_size) in self.covered
 
     def get(self, tokens: np.ndarray, start: int) -> int | None:
         return self.handles.get(self.key_of(tokens, start))
@@ -256,12 +222,21 @@ def check_tiers(
                 )
             where[handle] = tier.name
     owners: dict[int, object] = {}
+    if prefix_blocks is not None:
+        inverse = {h: k for k, h in prefix_blocks.handles.items()}
+        if inverse != prefix_blocks.keys:
+            raise TierViolation("the prefix index's keys and handles disagree")
     for handle in prefix_blocks.keys if prefix_blocks is not None else ():
         if handle not in where:
             raise TierViolation(f"the prefix index names handle {handle}, which is not stored")
         entry = next(t.entries[handle] for t in tiers if handle in t.entries)
         if prefix_blocks.keys[handle] != prefix_blocks.key_of(entry.tokens, entry.start):
             raise TierViolation(f"prefix block {handle} is indexed under another prefix")
+        ps = prefix_blocks.page_size
+        if entry.start % ps or entry.length % ps or not entry.start < entry.length:
+            raise TierViolation(
+                f"prefix block {handle} holds [{entry.start}, {entry.length}), not whole pages"
+            )
         owners[handle] = "the prefix index"
     for sid, handle in slot_entries.items():
         if handle not in where:
@@ -271,10 +246,6 @@ def check_tiers(
         owners[handle] = sid
         if sid in slots_with_records:
             raise TierViolation(f"session {sid!r} holds pool KV and a stored entry at once")
-    if prefix_blocks is not None:
-        stale = sorted(set(prefix_blocks.cover_keys) - set(slot_entries.values()))
-        if stale:
-            raise TierViolation(f"the prefix index counts {stale[:8]} as sessions' entries")
     orphans = sorted(set(where) - set(owners))
     if orphans:
         raise TierViolation(f"stored handles {orphans[:8]} belong to no session")

@@ -33,8 +33,8 @@ behind idle sessions.
 
 The host tier (with `tiers` and `host`): reclaiming an idle slot first demotes it. Its
 history's KV is copied out of the pool under a new handle (`TierEntry`, owned by the slot:
-the slot then holds no record, no row and no page), and the slot's pages go to the tree as
-before. The session's next turn promotes it: the admission matches the prefix tree as any
+the slot then holds no record, no row and no page); its own pages are freed (the tree part
+it had locked stays the tree's), so nothing is held twice. The session's next turn promotes it: the admission matches the prefix tree as any
 request does, loads the positions the tree lacks from the entry into the pages it reserves,
 and computes only the new tokens; the entry is dropped either way (the KV is in the pool
 again, or the conversation diverged). The host tier's entries fit its byte budget: the
@@ -129,9 +129,13 @@ def _ledger_op(fn):
                 if not takes_deltas:
                     return await fn(*args, **kwargs)
                 deltas = signature.bind(*args, **kwargs).arguments["deltas"]
-                args[0]._send_pending(deltas)
+                pending = args[0]._send_pending(deltas)
                 try:
                     return await fn(*args, **kwargs)
+                except BaseException:
+                    # The caller drops a failed operation's deltas: resend these next time.
+                    args[0]._pending[:0] = pending
+                    raise
                 finally:
                     args[0]._send_unmapped(deltas)
 
@@ -858,7 +862,9 @@ class KvLedger:
             return 0
         if slot.rec is not None:
             return slot.rec.kv_committed_len
-        if slot.stored is None or self.table.num_free_rows == 0:
+        # A spare row stays for the next admission, which would otherwise take an idle
+        # session's.
+        if slot.stored is None or self.table.num_free_rows < 2:
             return 0
         entry = self._entry(slot.stored)
         keys = entry.tokens.copy()
@@ -873,6 +879,10 @@ class KvLedger:
                 cached, node, prefix_slots = match.length, match.node_id, match.slots
         plan = plan_promotion(entry, len(keys), cached, self.window, self.page_size)
         need = self._pages_for(cached, len(keys), open_page=False)
+        if self.session_max_pages is not None:
+            # Past the sessions' cap the next finish would take another idle session's.
+            if self.session_pages() + need > self.session_max_pages:
+                plan = None
         deltas: list = []
         new_slots = None
         # A hint never takes another session's KV out of the pool: free and evictable
@@ -954,8 +964,6 @@ class KvLedger:
             entry.last_used = next(self._clock)
             self.disk.add(entry)
             self.entry_session[entry.handle] = sid
-            if self.prefix_blocks is not None:
-                self.prefix_blocks.cover(entry.handle, entry.tokens)
             self.slots[sid] = SessionSlot(stored=entry.handle, last_used=entry.last_used)
         in_use = [h for t in self._tiers() for h in t.entries]
         handles = in_use + [entry.handle for _, entry in persisted]
@@ -987,16 +995,17 @@ class KvLedger:
         return sorted(idle, key=lambda item: (item[1].priority, item[1].last_used))
 
     async def _reclaim_session(self) -> bool:
-        """Release the least recently used idle slot to the prefix tree (its committed whole
-        pages become cached, evictable KV; the session stays open), demoting its KV to the
-        host tier first when there is one; its next turn loads or prefills what the tree
-        lost. False: no idle slot."""
+        """Release the lowest-priority, least recently used idle slot (the session stays
+        open): demoted to the host tier when there is one (its pages freed), else to the
+        prefix tree (its committed whole pages become cached, evictable KV); its next turn
+        loads or prefills what it lost. False: no idle slot."""
         idle = self._idle_slots()
         if not idle:
             return False
         sid, slot = idle[0]
         await self._demote(sid, slot)
-        await self._release_slot_kv(sid, slot, cache=True)
+        # Demoted: its entry holds the KV, so its pages are freed, not cached twice.
+        await self._release_slot_kv(sid, slot, cache=slot.stored is None)
         self.counters.session_reclaims += 1
         await self._fit_host_tier()
         return True
@@ -1030,8 +1039,6 @@ class KvLedger:
         entry = TierEntry(handle, slot.tokens.copy(), alive, nbytes, next(self._clock))
         self.host.add(entry)
         self.entry_session[handle] = sid
-        if self.prefix_blocks is not None:
-            self.prefix_blocks.cover(handle, entry.tokens)
         slot.stored = handle
         self.counters.session_demotes += 1
 
@@ -1091,8 +1098,6 @@ class KvLedger:
         if self.prefix_blocks is not None and handle in self.prefix_blocks:
             self.prefix_blocks.remove(handle)
         else:
-            if self.prefix_blocks is not None:
-                self.prefix_blocks.uncover(handle)
             slot = self.slots.get(self.entry_session.pop(handle))
             if slot is not None and slot.stored == handle:
                 slot.stored = None
@@ -1110,18 +1115,16 @@ class KvLedger:
         now never moves."""
         if self.host is None:
             return
-        while self.host.over_budget():
-            victims = self._victims(self.host)
-            if not victims:
-                return
-            if self.disk is None or not await self._spill(victims[0]):
-                await self._drop_entry(victims[0])
+        for handle in self._victims(self.host):
+            if not self.host.over_budget():
+                break
+            if self.disk is None or not await self._spill(handle):
+                await self._drop_entry(handle)
                 self.counters.tier_drops += 1
-        while self.disk is not None and self.disk.over_budget():
-            victims = self._victims(self.disk)
-            if not victims:
-                return
-            await self._drop_entry(victims[0])
+        for handle in self._victims(self.disk) if self.disk is not None else ():
+            if not self.disk.over_budget():
+                break
+            await self._drop_entry(handle)
             self.counters.tier_drops += 1
 
     def _victims(self, tier: KvTier) -> list[int]:
@@ -1159,11 +1162,24 @@ class KvLedger:
         if self.prefix_blocks is None:
             return await self.tree.evict(pages)
         blocks = await self.tree.evict_blocks(pages)
-        for block in blocks:
-            await self._demote_block(block)
-        await self._fit_host_tier()
         slots = [b.slots for b in blocks]
-        return pages_of_slots(np.concatenate(slots), self.page_size) if slots else _NO_PAGES
+        freed = pages_of_slots(np.concatenate(slots), self.page_size) if slots else _NO_PAGES
+        # One eviction copies at most half the host tier (a huge admission does not stall
+        # on gigabytes it would drop again), fitting the budget block by block.
+        allowance = self.host.budget // 2
+        try:
+            for block in blocks:
+                if allowance <= 0:
+                    break
+                before = self.host.used
+                await self._demote_block(block)
+                allowance -= max(self.host.used - before, 0)
+                await self._fit_host_tier()
+        except BaseException:
+            self._free_pages(freed)  # unlinked from the tree: never leaked
+            self.counters.evicted_pages += int(freed.size)
+            raise
+        return freed
 
     async def _demote_block(self, block: EvictedBlock) -> None:
         """Keep an evicted block's leading pages that have their sliding KV (all of them
@@ -1176,9 +1192,6 @@ class KvLedger:
             return
         end = block.start + n
         tokens = np.asarray(block.key[:end], dtype=np.int64)
-        if self.prefix_blocks.is_covered(tokens, end):
-            self.counters.block_demote_skips += 1  # a session's entry holds it already
-            return
         known = self.prefix_blocks.get(tokens, block.start)
         if known is not None:
             entry = self._entry(known)
@@ -1187,7 +1200,6 @@ class KvLedger:
                 entry.last_used = next(self._clock)
                 self.counters.block_demote_skips += 1
                 return
-            await self._drop_entry(known)  # a shorter or colliding block: this one replaces it
         slots = np.asarray(block.slots[:n], dtype=np.int64)
         swa_slots = self._sliding_slots(slots) if self.swa is not None else _NO_PAGES
         handle = next(self._handles)
@@ -1196,7 +1208,11 @@ class KvLedger:
         except Exception:  # the runner could not copy: the block is forgotten
             self.counters.tier_failures += 1
             return
-        alive_pages = np.ones(end // ps, dtype=bool) if self.swa is not None else None
+        if known is not None:
+            await self._drop_entry(known)  # a shorter or colliding block: this one replaces it
+        alive_pages = None
+        if self.swa is not None:
+            alive_pages = np.arange(end // ps) >= block.start // ps  # the pages it saved
         entry = TierEntry(handle, tokens, alive_pages, nbytes, next(self._clock), block.start)
         self.host.add(entry)
         self.prefix_blocks.add(entry)
@@ -1259,8 +1275,9 @@ class KvLedger:
         `session_max_pages` pages."""
         if self.session_max_pages is None:
             return
-        while self.session_pages() > self.session_max_pages:
-            if not await self._reclaim_session():
+        while (pinned := self.session_pages()) > self.session_max_pages:
+            # A reclaim that unpins nothing ends the loop (never spins on a broken slot).
+            if not await self._reclaim_session() or self.session_pages() >= pinned:
                 return
 
     def check_held(self, rids: list[int], need_held: list[bool] | None = None) -> None:
@@ -1427,8 +1444,10 @@ class KvLedger:
             if freed.size:
                 self._free_pages(freed)
                 self.counters.evicted_pages += int(freed.size)
-            elif not await self._reclaim_session():
-                raise LedgerError(f"eviction found nothing; {missing} pages missing")
+            else:
+                pinned = self.session_pages()
+                if not await self._reclaim_session() or self.session_pages() >= pinned:
+                    raise LedgerError(f"eviction found nothing; {missing} pages missing")
 
     async def _shortfall(self, pages: int, returning: int = 0, with_sessions=True) -> int:
         """Pages missing for an allocation of `pages` once `returning` more are freed, every
@@ -1498,12 +1517,12 @@ class KvLedger:
             self._unmapped.append(had)
         return int(had.size)
 
-    def _send_pending(self, deltas: list) -> None:
+    def _send_pending(self, deltas: list) -> list:
         """Deltas made by operations that reply with none go to the runner at the front of
-        the next operation's, in order."""
-        if self._pending:
-            deltas[:0] = self._pending
-            self._pending = []
+        the next operation's, in order; the ones moved."""
+        pending, self._pending = self._pending, []
+        deltas[:0] = pending
+        return pending
 
     def _send_unmapped(self, deltas: list) -> None:
         """Pending unmappings go to the runner as mappings to the padding page 0, before

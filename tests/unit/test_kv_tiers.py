@@ -150,13 +150,18 @@ def test_the_checker_holds_each_prefix_block_to_the_index():
     with pytest.raises(TierViolation, match="indexed under another prefix"):
         check_tiers([host], {}, set(), prefix_blocks=index)
     block.tokens[0] = 100
-    index.cover(5, tokens[:8])  # a session's entry that is not stored
-    with pytest.raises(TierViolation, match="counts \\[5\\] as sessions' entries"):
+    index.remove(1)
+    block.start = 6  # not a page boundary, yet indexed under its own prefix
+    index.add(block)
+    with pytest.raises(TierViolation, match="not whole pages"):
         check_tiers([host], {}, set(), prefix_blocks=index)
-    index.uncover(5)
-    assert index.covered == {}
+    index.handles[b"other"] = 1  # two keys name one handle
+    with pytest.raises(TierViolation, match="keys and handles disagree"):
+        check_tiers([host], {}, set(), prefix_blocks=index)
+    index.handles = {index.keys[1]: 1}
     index.remove(1)
     host.remove(1)
     index.keys[9] = b"x"  # the index names a handle no tier holds
+    index.handles[b"x"] = 9
     with pytest.raises(TierViolation, match="names handle 9"):
         check_tiers([host], {}, set(), prefix_blocks=index)

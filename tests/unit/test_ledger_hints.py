@@ -9,13 +9,20 @@ import time
 import numpy as np
 
 from tests.unit.ledger_driver import run_sync
-from tests.unit.test_ledger_tiers import Driver, demoted_session, toks, with_ledger_writes
+from tests.unit.test_ledger_tiers import (
+    Driver,
+    demoted_on_a_tree_prefix,
+    demoted_session,
+    toks,
+    with_ledger_writes,
+)
 
 
 def test_a_prefetch_brings_the_kv_back_and_the_next_turn_restores_it_from_the_pool():
     d = Driver()
-    hist = demoted_session(d)  # 35 positions in the host tier, 32 also in the tree
-    d.evict_tree()  # the tree keeps nothing: all 35 come from the tier
+    hist = demoted_session(d)  # 35 positions in the host tier, none in the tree
+    assert run_sync(d.ledger.prefetch_slot("s")) == 0  # past the sessions' cap (0 pages)
+    d.ledger.session_max_pages = None
     assert run_sync(d.ledger.prefetch_slot("s")) == 35
     d.check()
     slot = d.ledger.slots["s"]
@@ -33,7 +40,8 @@ def test_a_prefetch_brings_the_kv_back_and_the_next_turn_restores_it_from_the_po
 
 def test_a_prefetch_shares_what_the_tree_still_holds():
     d = Driver()
-    hist = demoted_session(d)  # the tree has its 8 whole pages
+    hist = demoted_on_a_tree_prefix(d)  # the tree has its first 8 pages
+    d.ledger.session_max_pages = None
     assert run_sync(d.ledger.prefetch_slot("s")) == 35
     d.check()
     assert d.ledger.slots["s"].rec.cache_protected_len == 32
@@ -107,3 +115,26 @@ def test_a_retained_session_stays_in_the_tiers_while_others_are_dropped():
     d.turn(3, toks(3, 30), toks(13, 6), "c")  # its retention is over: LRU again
     assert d.ledger.slots["a"].stored is None and d.ledger.slots["c"].stored is not None
     d.check()
+
+
+def test_a_prefetchs_deltas_survive_an_operation_that_fails_and_go_with_the_next():
+    d = Driver()
+    hist = demoted_session(d)
+    d.ledger.session_max_pages = None
+    assert run_sync(d.ledger.prefetch_slot("s")) == 35
+    pending = list(d.ledger._pending)
+    assert pending
+
+    async def broken(tokens):
+        raise RuntimeError("the radix actor timed out")
+
+    real, d.ledger.tree.match_and_lock = d.ledger.tree.match_and_lock, broken
+    try:
+        run_sync(d.ledger.alloc_extend(9, toks(9, 20), 100, [], match_prefix=True))
+    except RuntimeError:
+        pass
+    d.ledger.tree.match_and_lock = real
+    assert d.ledger._pending == pending  # not lost with the failed operation's deltas
+    prompt = np.concatenate([hist, toks(3, 2)])
+    g = d.extend(2, prompt, session="s")
+    d.kv.assert_row_holds(g.row, prompt, len(prompt))

@@ -127,9 +127,8 @@ SWA_MUTANTS = {
     ),
     # the host tier (the machines draw one in half their runs)
     "a demoted session keeps its pool KV too": (
-        "        await self._demote(sid, slot)\n"
-        "        await self._release_slot_kv(sid, slot, cache=True)\n",
-        "        await self._demote(sid, slot)\n        if slot.stored is None:\n"
+        "        await self._release_slot_kv(sid, slot, cache=slot.stored is None)\n",
+        "        if slot.stored is None:\n"
         "            await self._release_slot_kv(sid, slot, cache=True)\n",
     ),
     "a promotion writes the sliding KV one slot off": (
@@ -187,8 +186,52 @@ def match_cut_exactly_at_a_dead_window_start(ledger_class) -> None:
     assert grant.cached_len == 2, grant
 
 
+def a_block_keeps_only_its_pages_with_sliding_kv(ledger_class) -> None:
+    """Page size 1, window 4: a finished request's tree node [0, 12) lost the sliding KV of
+    positions 2..7; pressure evicts it into the host tier. Only [0, 2) may be kept as a
+    block: a prompt repeating 10 of its tokens loads 2 and computes the rest."""
+    from kvcore import SwaPages, check_invariants
+    from kvcore.tiers import KvTier, PrefixIndex
+    from tests.unit.ledger_driver import FakeKv, FakeTierPort, make_ledger, run_sync
+
+    ledger, _ = make_ledger(64, 1, 4, 64, cls=ledger_class)
+    ledger.swa, ledger.window, ledger.swa_free_step = SwaPages(64, 64, 1), 4, 1
+    ledger.tiers = FakeTierPort(FakeKv(65, 1, swa_pages=64))
+    ledger.host, ledger.prefix_blocks = KvTier("host", 1 << 20), PrefixIndex(1)
+    hist = np.arange(100, 113, dtype=np.int64)
+    run_sync(ledger.alloc_extend(1, hist[:2], 64, []))
+    for _ in range(10):
+        assert run_sync(ledger.alloc_decode([1], [])) == 0
+    run_sync(ledger.finish(1, hist))
+    ledger.forget(1)
+    assert run_sync(ledger.alloc_extend(2, np.arange(60, dtype=np.int64), 64, [])) is not None
+    run_sync(ledger.abort(2))
+    ledger.forget(2)
+    assert ledger.counters.block_demotes == 1
+    grant = run_sync(ledger.alloc_extend(3, np.concatenate([hist[:10], [7, 8]]), 64, []))
+    check_invariants(run_sync(ledger.snapshot()))
+    assert grant.cached_len == 2, grant
+
+
+def a_promotion_on_a_tree_prefix_loads_only_the_rest(ledger_class) -> None:
+    """A demoted session whose first 32 positions the tree holds: its next turn takes them
+    from the tree and loads positions [32, 35) from its entry, each with its own KV."""
+    from tests.unit.test_ledger_tiers import Driver, demoted_on_a_tree_prefix, toks
+
+    d = Driver(cls=ledger_class)
+    hist = demoted_on_a_tree_prefix(d)
+    prompt = np.concatenate([hist, toks(3, 7)])
+    grant = d.extend(2, prompt, session="s")
+    assert grant.cached_len == 35, grant
+    d.kv.assert_row_holds(grant.row, prompt, len(prompt))
+
+
 # Deterministic scenarios run before the machines (a planted bug either catches).
-SWA_EXAMPLES = (match_cut_exactly_at_a_dead_window_start,)
+SWA_EXAMPLES = (
+    a_promotion_on_a_tree_prefix_loads_only_the_rest,
+    match_cut_exactly_at_a_dead_window_start,
+    a_block_keeps_only_its_pages_with_sliding_kv,
+)
 
 
 def test_the_examples_pass_on_the_real_ledger():

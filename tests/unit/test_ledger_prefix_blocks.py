@@ -177,18 +177,26 @@ def test_a_new_sessions_first_turn_loads_blocks_too():
     d.kv.assert_row_holds(g.row, prompt, len(prompt))
 
 
-def test_a_demoted_sessions_pages_evicted_from_the_tree_are_not_copied_twice():
+def test_a_demoted_sessions_pages_are_freed_not_cached_so_nothing_is_copied_twice():
     d = blocks_driver(num_pages=32)
-    d.ledger.session_max_pages = 0  # the finished turn is demoted at once, its pages cached
+    d.ledger.session_max_pages = 0  # the finished turn is demoted at once
     d.ledger.open_slot("s")
-    _, hist = d.turn(1, toks(1, 40), toks(2, 6), "s")  # 45 positions: 11 pages to the tree
+    _, hist = d.turn(1, toks(1, 40), toks(2, 6), "s")  # 45 positions in its entry
     assert d.ledger.counters.session_demotes == 1
-    pressure(d, 50, 124)  # the tree loses them: the session's entry holds them already
-    assert d.ledger.counters.evicted_pages == 11
-    assert d.ledger.counters.block_demotes == 0 and d.ledger.counters.block_demote_skips == 1
-    assert len(d.ledger.prefix_blocks) == 0 and len(d.port.entries) == 1
+    assert d.ledger.pool.num_free == 32  # its pages went free, not into the tree
+    pressure(d, 50, 124)
+    assert d.ledger.counters.evicted_pages == 0 and d.ledger.counters.block_demotes == 0
+    assert len(d.port.entries) == 1
     prompt = np.concatenate([hist, toks(3, 4)])
     g = d.extend(2, prompt, session="s")
     assert g.cached_len == 45
     d.kv.assert_row_holds(g.row, prompt, len(prompt))
-    assert d.ledger.prefix_blocks.covered == {}  # the promoted entry is gone, and its cover
+
+
+def test_one_eviction_copies_at_most_half_the_host_tier():
+    d = blocks_driver(budget=8 * 80)  # an allowance of 40 positions per eviction
+    served(d, 1, np.concatenate([toks(1, 40), toks(2, 1)]), toks(3, 1))
+    served(d, 2, np.concatenate([toks(4, 40), toks(5, 1)]), toks(6, 1))
+    pressure(d, 50, 90)  # both 10-page blocks go; only the first is copied
+    assert d.ledger.counters.evicted_pages == 20
+    assert d.ledger.counters.block_demotes == 1 and d.ledger.host.used == 8 * 40

@@ -18,8 +18,11 @@ PS = 4
 class Driver:
     """A ledger with sessions, checked after every operation."""
 
-    def __init__(self, num_pages: int = 64, rows: int = 8, capacity: int = 256, radix=True):
-        self.ledger, self.tree = make_ledger(num_pages, PS, rows, capacity, radix=radix)
+    def __init__(
+        self, num_pages: int = 64, rows: int = 8, capacity: int = 256, radix=True, cls=None
+    ):
+        extra = {"cls": cls} if cls is not None else {}
+        self.ledger, self.tree = make_ledger(num_pages, PS, rows, capacity, radix=radix, **extra)
         self.kv = FakeKv((num_pages + 1) * PS)
         self.capacity = capacity
 

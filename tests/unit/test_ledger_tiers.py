@@ -23,8 +23,8 @@ class Driver(SessionsDriver):
     """The sessions tests' driver with a host tier of `budget` bytes; with `swa`, two pools
     (window 16, freed in steps of a page). Its check also audits the tiers and the store."""
 
-    def __init__(self, num_pages=64, rows=8, capacity=256, budget=1 << 20, swa=False):
-        super().__init__(num_pages, rows, capacity)
+    def __init__(self, num_pages=64, rows=8, capacity=256, budget=1 << 20, swa=False, cls=None):
+        super().__init__(num_pages, rows, capacity, cls=cls)
         self.kv = FakeKv((num_pages + 1) * PS, PS, swa_pages=num_pages if swa else 0)
         if swa:
             self.ledger.swa = SwaPages(num_pages, num_pages, PS)
@@ -99,9 +99,28 @@ def test_a_demoted_session_holds_no_pool_page_and_its_next_turn_loads_what_the_t
     assert d.ledger.counters.session_promotes == 1 and d.ledger.counters.promoted_tokens == 35
 
 
+def demoted_on_a_tree_prefix(d: Driver) -> np.ndarray:
+    """A demoted session whose first 32 positions the prefix tree holds (another request
+    cached them first); its own 3 positions past them only in its entry."""
+    shared = toks(50, 32)
+    assert d.extend(90, np.concatenate([shared, toks(51, 1)])) is not None
+    d.finish(90, np.concatenate([shared, toks(51, 2)]))  # the tree keeps [0, 32)
+    d.ledger.session_max_pages = 0
+    d.ledger.open_slot("s")
+    _, hist = d.turn(1, np.concatenate([shared, toks(3, 2)]), toks(4, 2), "s")
+    assert d.ledger.slots["s"].stored is not None  # 35 positions; its own pages freed
+    return hist
+
+
+def test_a_demoted_sessions_own_pages_are_freed_not_cached():
+    d = Driver()
+    demoted_session(d)
+    assert d.ledger.pool.num_free == d.ledger.pool.num_pages  # nothing went to the tree
+
+
 def test_a_promotion_takes_the_tree_prefix_and_loads_only_the_rest():
     d = Driver()
-    hist = demoted_session(d)  # the tree got its 8 whole pages (32 positions) on release
+    hist = demoted_on_a_tree_prefix(d)
     prompt = np.concatenate([hist, toks(3, 7)])
     g = d.extend(2, prompt, session="s")
     assert (g.cached_len, g.start) == (35, 35)
@@ -113,20 +132,20 @@ def test_a_promotion_takes_the_tree_prefix_and_loads_only_the_rest():
 
 def test_an_edited_history_loads_the_common_prefix_past_the_tree():
     d = Driver()
-    hist = demoted_session(d)
-    prompt = np.concatenate([hist[:10], toks(9, 12)])  # the client edited the history
+    hist = demoted_on_a_tree_prefix(d)
+    prompt = np.concatenate([hist[:34], toks(9, 12)])  # the client edited the history
     g = d.extend(2, prompt, session="s")
-    assert (g.cached_len, g.start) == (10, 10)  # 8 from the tree, 2 loaded
-    assert d.port.loads[-1][1:] == (8, 2) and d.ledger.host.entries == {}
+    assert (g.cached_len, g.start) == (34, 34)  # 32 from the tree, 2 loaded
+    assert d.port.loads[-1][1:] == (32, 2) and d.ledger.host.entries == {}
     d.kv.assert_row_holds(g.row, prompt, len(prompt))
 
 
 def test_a_turn_the_entry_adds_nothing_to_drops_it_and_prefills_from_the_tree():
     d = Driver()
-    hist = demoted_session(d)
-    prompt = np.concatenate([hist[:8], toks(9, 12)])  # diverges where the tree's pages end
+    hist = demoted_on_a_tree_prefix(d)
+    prompt = np.concatenate([hist[:32], toks(9, 12)])  # diverges where the tree's pages end
     g = d.extend(2, prompt, session="s")
-    assert g.cached_len == 8 and d.port.loads == []
+    assert g.cached_len == 32 and d.port.loads == []
     assert d.ledger.host.entries == {} and d.port.entries == {}
     d.kv.assert_row_holds(g.row, prompt, len(prompt))
 
