@@ -49,6 +49,7 @@ class TierEntry:
     nbytes: int
     last_used: int = 0
     start: int = 0  # the first stored position (a page multiple)
+    loads: int = 0  # a prefix block's: admissions that loaded it
 
     @property
     def length(self) -> int:

@@ -34,10 +34,11 @@ behind idle sessions.
 The host tier (with `tiers` and `host`): reclaiming an idle slot first demotes it. Its
 history's KV is copied out of the pool under a new handle (`TierEntry`, owned by the slot:
 the slot then holds no record, no row and no page); its own pages are freed (the tree part
-it had locked stays the tree's), so nothing is held twice. The session's next turn promotes it: the admission matches the prefix tree as any
-request does, loads the positions the tree lacks from the entry into the pages it reserves,
-and computes only the new tokens; the entry is dropped either way (the KV is in the pool
-again, or the conversation diverged). The host tier's entries fit its byte budget: the
+it had locked stays the tree's), so nothing is held twice. The session's next turn
+promotes it: the admission matches the prefix tree as any request does, loads the
+positions the tree lacks from the entry into the pages it reserves, and computes only the
+new tokens; the entry is dropped either way (the KV is in the pool again, or the
+conversation diverged). The host tier's entries fit its byte budget: the
 least recently used move to the disk tier (`disk`, files the runner writes and checksums)
 or, without one, are dropped (that session prefills what the tree lost); the disk tier's
 overflow is dropped. A failed copy falls back to the pool-only behaviour: a failed save
@@ -49,8 +50,9 @@ pool evicts is copied to the host tier first, as far as its pages have their sli
 and the index owns the copy. An admission whose session has nothing to load continues the
 tree's match with the blocks that hold the next pages of its tokens, loading them into the
 pages it reserves, as a promotion does. A loaded block stays stored (the next eviction of
-the same pages copies nothing); blocks and sessions' entries share the tiers' budgets and
-least-recently-used order.
+the same pages copies nothing); blocks and sessions' entries share the tiers' budgets, but
+a block no admission has loaded leaves the tiers before any session's entry (dropped, not
+written to disk).
 
 Prefix-cache namespaces: a request's `cache_salt` turns its token ids into keys of their
 own (`kvcore.salt`) before anything compares them for reuse (the tree, session slots).
@@ -1118,7 +1120,10 @@ class KvLedger:
         for handle in self._victims(self.host):
             if not self.host.over_budget():
                 break
-            if self.disk is None or not await self._spill(handle):
+            # A prefix block nobody loaded is not worth a file: dropped.
+            unused_block = self.prefix_blocks is not None and handle in self.prefix_blocks
+            unused_block = unused_block and not self.host.entries[handle].loads
+            if self.disk is None or unused_block or not await self._spill(handle):
                 await self._drop_entry(handle)
                 self.counters.tier_drops += 1
         for handle in self._victims(self.disk) if self.disk is not None else ():
@@ -1129,14 +1134,15 @@ class KvLedger:
 
     def _victims(self, tier: KvTier) -> list[int]:
         """The tier's entries in the order they leave it: a retained session's last, then
-        by priority (prefix blocks: 0), least recently used first; never one being loaded."""
+        by priority (a prefix block: 0 once loaded, below every session until then), least
+        recently used first; never one being loaded."""
         now = time.monotonic()
 
         def rank(handle: int) -> tuple:
             slot = self.slots.get(self.entry_session.get(handle, ""))
             entry = tier.entries[handle]
             if slot is None:
-                return (False, 0, entry.last_used)
+                return (False, 0 if entry.loads else -(1 << 20), entry.last_used)
             return (slot.retain_until > now, slot.priority, entry.last_used)
 
         return sorted((h for h in tier.entries if h not in self._promoting), key=rank)
@@ -1235,6 +1241,7 @@ class KvLedger:
                 await self._drop_entry(load.handle)
                 return load.start
             entry.last_used = next(self._clock)
+            entry.loads += 1
             self.counters.block_loaded_tokens += load.end - load.start
         self.counters.block_promotes += 1
         return loads[-1].end

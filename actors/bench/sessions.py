@@ -174,6 +174,7 @@ async def verify(client, model: str, run: Run, args) -> dict:
         whole.setdefault(t.session, []).append(t)
     complete = sorted(i for i, ts in whole.items() if not any(t.error for t in ts))
     same = differ = 0
+    differing = []
     for t in [t for index in complete[: args.verify] for t in whole[index]]:
         index = t.session
         body = {
@@ -189,7 +190,11 @@ async def verify(client, model: str, run: Run, args) -> dict:
             same += 1
         else:
             differ += 1
-    return {"same": same, "differ": differ}
+            differing.append([index, t.turn, t.cached_tokens])
+    out = {"same": same, "differ": differ}
+    if differing:
+        out["differing_session_turn_cached"] = differing
+    return out
 
 
 async def metric(client, name: str, every: bool = False) -> float:

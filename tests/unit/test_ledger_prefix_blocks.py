@@ -12,7 +12,7 @@ import numpy as np
 
 from kvcore.tiers import PrefixIndex
 from tests.unit.ledger_driver import run_sync
-from tests.unit.test_ledger_tiers import PS, Driver, toks
+from tests.unit.test_ledger_tiers import PS, Driver, toks, with_disk
 
 
 def blocks_driver(num_pages=24, budget=1 << 20, swa=False) -> Driver:
@@ -200,3 +200,16 @@ def test_one_eviction_copies_at_most_half_the_host_tier():
     pressure(d, 50, 90)  # both 10-page blocks go; only the first is copied
     assert d.ledger.counters.evicted_pages == 20
     assert d.ledger.counters.block_demotes == 1 and d.ledger.host.used == 8 * 40
+
+
+def test_a_block_nobody_loaded_leaves_before_a_sessions_entry_and_is_not_written_to_disk():
+    d = with_disk(blocks_driver(), host_budget=8 * 45)  # one entry fits in the host
+    d.ledger.open_slot("s")
+    d.ledger.session_max_pages = 0
+    d.turn(1, toks(1, 30), toks(2, 6), "s")  # 35 positions demoted at once
+    d.ledger.session_max_pages = None
+    served(d, 2, np.concatenate([toks(3, 40), toks(4, 1)]), toks(5, 1))
+    pressure(d, 50, 90)  # the 40-position block is copied, then dropped to fit
+    assert d.ledger.counters.block_demotes == 1 and len(d.ledger.prefix_blocks) == 0
+    assert d.ledger.slots["s"].stored in d.ledger.host.entries  # the session stayed
+    assert d.ledger.counters.tier_spills == 0 and d.port.on_disk == set()

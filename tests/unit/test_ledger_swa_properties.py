@@ -613,9 +613,14 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
             self.ledger.tiers.on_disk.clear()
 
     # -- rules: sessions --
-    @rule(sid=st.sampled_from(SESSIONS))
-    def open_session(self, sid):
-        self.ledger.open_slot(sid)
+    @rule(
+        sid=st.sampled_from(SESSIONS),
+        priority=st.integers(-1, 1),
+        retain_s=st.sampled_from([0.0, 0.0, 3600.0]),
+    )
+    def open_session(self, sid, priority, retain_s):
+        """A client's hints order reclaims and tier drops; nothing may break either way."""
+        self.ledger.open_slot(sid, priority, retain_s)
 
     @rule(sid=st.sampled_from(SESSIONS))
     def close_session(self, sid):
