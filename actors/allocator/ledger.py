@@ -344,15 +344,7 @@ class KvLedger:
         loads: list[BlockLoad] = []
         if admitting:
             if self.tree is not None and total > 1 and match_prefix:
-                match = await self.tree.match_and_lock(tokens[: total - 1])
-                usable = self._swa_usable(match.slots, match.length)
-                if usable < match.length:
-                    # The window before the matched end lost its sliding KV: match less, and
-                    # recompute the rest.
-                    await self.tree.unlock(match.node_id)
-                    match = await self.tree.match_and_lock(tokens[:usable])
-                if match.length:
-                    cached, node, prefix_slots = match.length, match.node_id, match.slots
+                cached, node, prefix_slots = await self._match_and_lock(tokens[: total - 1])
             start = cached
             if session:
                 promotion = await self._plan_promotion(session, tokens, cached, match_prefix)
@@ -436,6 +428,19 @@ class KvLedger:
         rec.kv_committed_len = end
         self._free_window(rec, first_query=start)
         return ExtendGrant(rid, row, start if admitting else 0, start, end)
+
+    async def _match_and_lock(self, keys: np.ndarray) -> tuple[int, int | None, np.ndarray]:
+        """The tree's longest usable prefix of `keys`, locked: (length, node, slots); (0,
+        None, none) when nothing matched. Where the window before the matched end lost its
+        sliding KV, the match is cut there (the rest is recomputed)."""
+        match = await self.tree.match_and_lock(keys)
+        usable = self._swa_usable(match.slots, match.length)
+        if usable < match.length:
+            await self.tree.unlock(match.node_id)
+            match = await self.tree.match_and_lock(keys[:usable])
+        if not match.length:
+            return 0, None, _NO_PAGES
+        return match.length, match.node_id, match.slots
 
     async def _restore(
         self,
@@ -872,13 +877,7 @@ class KvLedger:
         keys = entry.tokens.copy()
         cached, node, prefix_slots = 0, None, _NO_PAGES
         if self.tree is not None:
-            match = await self.tree.match_and_lock(keys)
-            usable = self._swa_usable(match.slots, match.length)
-            if usable < match.length:
-                await self.tree.unlock(match.node_id)
-                match = await self.tree.match_and_lock(keys[:usable])
-            if match.length:
-                cached, node, prefix_slots = match.length, match.node_id, match.slots
+            cached, node, prefix_slots = await self._match_and_lock(keys)
         plan = plan_promotion(entry, len(keys), cached, self.window, self.page_size)
         need = self._pages_for(cached, len(keys), open_page=False)
         if self.session_max_pages is not None:

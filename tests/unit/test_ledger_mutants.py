@@ -40,8 +40,8 @@ MUTANTS = {
         "",
     ),
     "admission matches the whole prompt (nothing left to compute)": (
-        "match = await self.tree.match_and_lock(tokens[: total - 1])",
-        "match = await self.tree.match_and_lock(tokens)",
+        "cached, node, prefix_slots = await self._match_and_lock(tokens[: total - 1])",
+        "cached, node, prefix_slots = await self._match_and_lock(tokens)",
     ),
     "the ledger never evicts": (
         "            freed = await self._evict_tree(missing)"
@@ -81,8 +81,8 @@ SWA_MUTANTS = {
         "",
     ),
     "the tree match is not cut where the window lost its KV": (
-        "                if usable < match.length:\n",
-        "                if False:\n",
+        "        if usable < match.length:\n",
+        "        if False:\n",
     ),
     "the next query's window is read one position short when a match is cut": (
         "first = max(0, end - self.window + 1) // ps",
@@ -164,22 +164,34 @@ def mutant_ledger_module(anchor: str, replacement: str) -> types.ModuleType:
     return module
 
 
-def match_cut_exactly_at_a_dead_window_start(ledger_class) -> None:
-    """Page size 1, window 4: a finished request's output positions 2..7 lost their sliding
-    KV; a prompt matching 10 tokens needs position 7 for its first query, so the hit must be
-    cut (to 2). (The machines' window oracle finds this only on some paths; this example
-    finds it every time.)"""
-    from kvcore import SwaPages, check_invariants
+def finished_past_its_window(ledger_class, setup=None):
+    """Page size 1, window 4: a request of a 2-token prompt decodes 10 tokens and finishes;
+    the tree holds its 12 positions, of which 2..7 lost their sliding KV. (ledger, tokens)"""
+    from kvcore import SwaPages
     from tests.unit.ledger_driver import make_ledger, run_sync
 
     ledger, _ = make_ledger(64, 1, 4, 64, cls=ledger_class)
     ledger.swa, ledger.window, ledger.swa_free_step = SwaPages(64, 64, 1), 4, 1
+    if setup is not None:
+        setup(ledger)
     hist = np.arange(100, 113, dtype=np.int64)
     run_sync(ledger.alloc_extend(1, hist[:2], 64, []))
     for _ in range(10):
         assert run_sync(ledger.alloc_decode([1], [])) == 0
     run_sync(ledger.finish(1, hist))
     ledger.forget(1)
+    return ledger, hist
+
+
+def match_cut_exactly_at_a_dead_window_start(ledger_class) -> None:
+    """Page size 1, window 4: a finished request's output positions 2..7 lost their sliding
+    KV; a prompt matching 10 tokens needs position 7 for its first query, so the hit must be
+    cut (to 2). (The machines' window oracle finds this only on some paths; this example
+    finds it every time.)"""
+    from kvcore import check_invariants
+    from tests.unit.ledger_driver import run_sync
+
+    ledger, hist = finished_past_its_window(ledger_class)
     prompt = np.concatenate([hist[:10], [7, 8]])
     grant = run_sync(ledger.alloc_extend(2, prompt, 64, []))
     check_invariants(run_sync(ledger.snapshot()))
@@ -190,20 +202,15 @@ def a_block_keeps_only_its_pages_with_sliding_kv(ledger_class) -> None:
     """Page size 1, window 4: a finished request's tree node [0, 12) lost the sliding KV of
     positions 2..7; pressure evicts it into the host tier. Only [0, 2) may be kept as a
     block: a prompt repeating 10 of its tokens loads 2 and computes the rest."""
-    from kvcore import SwaPages, check_invariants
+    from kvcore import check_invariants
     from kvcore.tiers import KvTier, PrefixIndex
-    from tests.unit.ledger_driver import FakeKv, FakeTierPort, make_ledger, run_sync
+    from tests.unit.ledger_driver import FakeKv, FakeTierPort, run_sync
 
-    ledger, _ = make_ledger(64, 1, 4, 64, cls=ledger_class)
-    ledger.swa, ledger.window, ledger.swa_free_step = SwaPages(64, 64, 1), 4, 1
-    ledger.tiers = FakeTierPort(FakeKv(65, 1, swa_pages=64))
-    ledger.host, ledger.prefix_blocks = KvTier("host", 1 << 20), PrefixIndex(1)
-    hist = np.arange(100, 113, dtype=np.int64)
-    run_sync(ledger.alloc_extend(1, hist[:2], 64, []))
-    for _ in range(10):
-        assert run_sync(ledger.alloc_decode([1], [])) == 0
-    run_sync(ledger.finish(1, hist))
-    ledger.forget(1)
+    def with_blocks(ledger) -> None:
+        ledger.tiers = FakeTierPort(FakeKv(65, 1, swa_pages=64))
+        ledger.host, ledger.prefix_blocks = KvTier("host", 1 << 20), PrefixIndex(1)
+
+    ledger, hist = finished_past_its_window(ledger_class, with_blocks)
     assert run_sync(ledger.alloc_extend(2, np.arange(60, dtype=np.int64), 64, [])) is not None
     run_sync(ledger.abort(2))
     ledger.forget(2)
