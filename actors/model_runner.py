@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ import torch
 from actors.runtime import Actor
 from kernels.compiled_step import COMPILE_MODES, CompiledStep, compile_choice
 from kernels.compiled_step import cache_root as compile_cache_root
-from kernels.cuda_graphs import GRAPH_BACKENDS, graph_max_pages
+from kernels.cuda_graphs import GRAPH_BACKENDS
 from kernels.grammar import ByteLRU
 from kernels.host_memory import keep_freed_memory
 from transport.messages.control import Ack
@@ -91,6 +92,7 @@ class ModelRunnerActor(Actor):
         grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES,
         compile: str = "off",
         store_dir: str = "",
+        tensor_parallel_size: int = 1,
     ) -> None:
         from kernels.cpu import choose_dtype, choose_threads, one_thread_here
         from kernels.device import choose_attention, choose_device
@@ -122,6 +124,12 @@ class ModelRunnerActor(Actor):
         self.threads, self.threads_reason = choose_threads(threads, own_process)
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+        self.tp = tensor_parallel_size
+        self.tp_group = None  # kernels.tensor_parallel.TpGroup, formed in `_load`
+        self._ranks: list = []  # the other ranks' processes
+        self.tp_cores: list[list[int]] = []
+        if self.tp > 1:
+            compile, cuda_graphs, store_dir = self._tensor_parallel_settings(quantization, threads)
         self.requested_compile = compile  # settled with the weights' layout (`_load`)
         self.num_pages = num_pages
         self.swa_num_pages = swa_num_pages  # sliding layers' own pool (0: they share the full one)
@@ -150,6 +158,28 @@ class ModelRunnerActor(Actor):
         # thread building this actor, the event loop's, computes with one.
         one_thread_here()
 
+    def _tensor_parallel_settings(self, quantization: str, threads: int) -> tuple[str, bool, str]:
+        """Check and settle what a tensor-parallel runner runs: CPU ranks on gloo, exact
+        weights, eager steps, no KV tiers; each rank pinned to its share of the cores. Returns
+        (compile, cuda_graphs, store_dir) as it runs them."""
+        from kernels.tensor_parallel import core_placement
+
+        if self.tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tp}")
+        if self.device != "cpu":
+            raise ValueError("tensor parallelism runs on the CPU (gloo) here; use device = cpu")
+        if quantization not in ("auto", "none"):
+            raise ValueError(
+                f"tensor parallelism splits exact weights; quantization = {quantization} "
+                "is a one-rank mode (use none or auto)"
+            )
+        self.requested_quantization = "none"
+        self.tp_cores, per_rank = core_placement(self.tp, sorted(os.sched_getaffinity(0)))
+        if threads <= 0:
+            self.threads = per_rank
+            self.threads_reason = f"auto: {per_rank} per rank, each rank on its own cores"
+        return "off", False, ""
+
     async def _on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
@@ -167,8 +197,25 @@ class ModelRunnerActor(Actor):
             threads=self.threads,
             threads_reason=self.threads_reason,
             host_memory=keep_freed_memory()[1],
+            tensor_parallel_size=self.tp,
+            rank_cores=self.tp_cores or None,
         )
         await self._on_worker(self._load)
+        if self.tp > 1:
+            self.every(1.0, self._watch_ranks)
+
+    async def _watch_ranks(self) -> None:
+        """Crash this actor (its supervisor then applies `engine.runner_on_crash`) once a
+        rank has died or a collective failed: the group cannot serve another step."""
+        from kernels.tensor_parallel import TensorParallelError, exited
+
+        dead = exited(self._ranks)
+        if dead:
+            raise TensorParallelError(
+                f"tensor-parallel rank {dead[0][0]} exited with code {dead[0][1]}"
+            )
+        if self.tp_group is not None and self.tp_group.broken:
+            raise TensorParallelError(self.tp_group.broken)
 
     async def on_stop(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -179,61 +226,54 @@ class ModelRunnerActor(Actor):
         # another in a process pile up).
         self.executor = None
         self.sampler = None
+        if self._ranks:
+            from kernels.tensor_parallel import stop_ranks
+
+            stop_ranks(self._ranks)
+            self._ranks = []
+        self.tp_group = None
         if self.kv_store is not None:
             self.kv_store.close()  # the disk tier's files die with this runner
         self.kv_store = None
         gc.collect()
 
     def _load(self) -> None:
-        from kernels.attention import make_attention_backend
-        from kernels.kv_cache import KVCache, ReqToTokenTable
         from kernels.kv_store import HostKvStore
         from kernels.memory_plan import measured_weight_bytes
-        from kernels.model_executor import ModelExecutor
+        from kernels.model_executor import build_executor
         from kernels.models import load_for
         from kernels.sampling import Sampler
 
         torch.set_num_threads(self.threads)
-        config, model, lm_head, self.quantization, why = load_for(
-            self.model_path, self.dtype, self.requested_quantization, self.device
-        )
-        self.log.info("quantization", quantization=self.quantization, reason=why)
-        if lm_head is not None and self.linear == "auto":
-            self.linear = "aten"  # quantized linears are no nn.Linear left to pack
-        model = model.to(self.device)
-        kv = KVCache(
-            num_layers=config.num_layers,
-            num_slots=(self.num_pages + 1) * self.page_size,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            page_size=self.page_size,
-            sliding_layers=config.sliding_layers,
-            swa_num_pages=self.swa_num_pages,
-        )
-        self.kv_store = HostKvStore(kv, *self._disk_tier(config))
+        if self.tp > 1:
+            self._load_ranks()
+        else:
+            config, model, lm_head, self.quantization, why = load_for(
+                self.model_path, self.dtype, self.requested_quantization, self.device
+            )
+            self.log.info("quantization", quantization=self.quantization, reason=why)
+            if lm_head is not None and self.linear == "auto":
+                self.linear = "aten"  # quantized linears are no nn.Linear left to pack
+            self.config = config
+            self.executor = build_executor(
+                config,
+                model,
+                lm_head,
+                device=self.device,
+                dtype=self.dtype,
+                attention=self.attention_name,
+                linear=self.linear,
+                cuda_graphs=self.cuda_graphs,
+                **self._pool_shape(),
+            )
+        kv = self.executor.kv_cache
+        self.kv_store = HostKvStore(kv, *self._disk_tier(self.config))
         self._adopted = self.kv_store.adopt_manifest()  # a previous run's sessions (KvRestore)
-        table = ReqToTokenTable(self.max_rows + 1, self.row_capacity, device=self.device)
-        options = (
-            {} if self.attention_name == "torch" else {"device": self.device, "dtype": self.dtype}
-        )
-        if self.cuda_graphs:
-            options["graph_max_pages"] = graph_max_pages(self.row_capacity, self.page_size)
-        self.config = config
-        self.executor = ModelExecutor(
-            config,
-            model,
-            kv,
-            make_attention_backend(self.attention_name, **options),
-            table,
-            lm_head=lm_head,
-            validate=False,
-            cuda_graphs=self.cuda_graphs,
-            linear=self.linear,
-        )
+        model = self.executor.model
         self.linear, self.linear_reason = self.executor.linear, self.executor.linear_reason
         compiles, why = compile_choice(self.requested_compile, self.device, self.dtype, self.linear)
+        if self.tp > 1:
+            why = "off: a tensor-parallel step runs eagerly (its collectives are in no graph)"
         self.log.info("compile", compile=compiles, reason=why, cache=str(compile_cache_root()))
         if compiles:
             self.executor.compiled = CompiledStep(self.executor)
@@ -253,6 +293,43 @@ class ModelRunnerActor(Actor):
             # the background, rather than in the first constrained request's step.
             if grammar_available():
                 threading.Thread(target=self._grammar_engine, daemon=True).start()
+
+    def _pool_shape(self) -> dict:
+        return dict(
+            num_pages=self.num_pages,
+            swa_num_pages=self.swa_num_pages,
+            page_size=self.page_size,
+            max_rows=self.max_rows,
+            row_capacity=self.row_capacity,
+        )
+
+    def _load_ranks(self) -> None:
+        """Start the other ranks and build this one's share (kernels/tensor_parallel)."""
+        from kernels.tensor_parallel import ParallelExecutor, RankSettings, build_rank, launch
+
+        settings = RankSettings(
+            model=self.model_path,
+            dtype=str(self.dtype).removeprefix("torch."),
+            attention=self.attention_name,
+            linear=self.linear,
+            threads=self.threads,
+            world=self.tp,
+            cores=self.tp_cores,
+            **self._pool_shape(),
+        )
+        if self.tp_cores[0]:
+            os.sched_setaffinity(0, self.tp_cores[0])  # this thread: rank 0's compute
+        self.tp_group, self._ranks = launch(settings)
+        self.quantization = "none"
+        self.config, local = build_rank(settings, self.tp_group)
+        self.executor = ParallelExecutor(local, self.tp_group)
+        self.log.info(
+            "tensor parallel group formed",
+            ranks=self.tp,
+            pids=[p.pid for p in self._ranks],
+            heads_per_rank=local.config.num_heads,
+            kv_heads_per_rank=local.config.num_kv_heads,
+        )
 
     def _disk_tier(self, config) -> tuple[Path | None, str]:
         """The disk tier's folder (`store_dir/<fingerprint>`: one engine per store_dir) and
@@ -318,7 +395,11 @@ class ModelRunnerActor(Actor):
         if isinstance(msg, LoadGrammar):
             return await self._load_grammar(msg)
         if isinstance(msg, ForwardBatchMsg):
-            return await self._on_worker(self._step, msg)
+            try:
+                return await self._on_worker(self._step, msg)
+            finally:
+                if self.tp_group is not None and self.tp_group.broken:
+                    self.spawn(self._watch_ranks)  # crashes this actor now, not at the next tick
         # Tier moves run on the worker too, so they never overlap a step's forward.
         return await self._on_worker(self._tier_move, msg)
 

@@ -71,6 +71,9 @@ class ModelExecutor:
                 )(),
             )
         self.lm_head = lm_head
+        # Sums a row-parallel product over tensor-parallel ranks (kernels/tensor_parallel);
+        # None: one rank holds the whole model.
+        self.reduce = None
         self.shape = AttentionShape.of(config)
         self.rotary: dict[str, RotaryCache] = {}
         for layer_type in sorted(set(config.layer_types)):
@@ -178,7 +181,9 @@ class ModelExecutor:
             layer_type: cache.cos_sin(meta.positions, self.dtype)
             for layer_type, cache in self.rotary.items()
         }
-        ctx = ForwardContext(attention=self.attention, kv_cache=self.kv_cache, rope=rope)
+        ctx = ForwardContext(
+            attention=self.attention, kv_cache=self.kv_cache, rope=rope, reduce=self.reduce
+        )
         # The body always runs over every new token (their KV must be written), even when
         # no row is selected (a non-final prefill chunk).
         return self.model(meta.extra[0], ctx, rows)
@@ -191,3 +196,54 @@ class ModelExecutor:
             return None
         wanted = np.asarray(batch.need_logits, dtype=bool)
         return np.cumsum(batch.extend_lens)[wanted] - 1
+
+
+def build_executor(
+    config: ModelConfig,
+    model: nn.Module,
+    lm_head: LmHead | None,
+    *,
+    device: str,
+    dtype: torch.dtype,
+    attention: str,
+    linear: str,
+    num_pages: int,
+    swa_num_pages: int,
+    page_size: int,
+    max_rows: int,
+    row_capacity: int,
+    cuda_graphs: bool = False,
+) -> ModelExecutor:
+    """The runner's executor: `model` on `device`, a KV pool of `num_pages` pages (plus the
+    page 0 every unmapped slot points at), the req-to-token table of `max_rows` rows (plus
+    the padding row), the `attention` backend by name."""
+    from kernels.attention import make_attention_backend
+    from kernels.cuda_graphs import graph_max_pages
+
+    model = model.to(device)
+    kv = KVCache(
+        num_layers=config.num_layers,
+        num_slots=(num_pages + 1) * page_size,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+        device=device,
+        page_size=page_size,
+        sliding_layers=config.sliding_layers,
+        swa_num_pages=swa_num_pages,
+    )
+    table = ReqToTokenTable(max_rows + 1, row_capacity, device=device)
+    options = {} if attention == "torch" else {"device": device, "dtype": dtype}
+    if cuda_graphs:
+        options["graph_max_pages"] = graph_max_pages(row_capacity, page_size)
+    return ModelExecutor(
+        config,
+        model,
+        kv,
+        make_attention_backend(attention, **options),
+        table,
+        lm_head=lm_head,
+        validate=False,
+        cuda_graphs=cuda_graphs,
+        linear=linear,
+    )

@@ -50,6 +50,12 @@ SERVE_FLAGS = [
         "auto | none | int8 | int4 | gguf (weight-only)",
     ),
     ("--max-num-seqs", "scheduler.max_running_requests", int, "requests decoding at once"),
+    (
+        "--tensor-parallel-size",
+        "parallel.tensor_parallel_size",
+        int,
+        "split the model across N rank processes (torch.distributed, gloo on the CPU)",
+    ),
     ("--chat-template", "server.chat_template", str, "a chat template file (or its text)"),
     (
         "--tool-call-parser",
@@ -227,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv",
             "grammar",
             "synthetic-gguf",
+            "tp",
         ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
@@ -395,6 +402,8 @@ def _bench(args) -> int:
         from actors.bench.grammar import main as run
     elif args.what == "synthetic-gguf":
         from actors.bench.synthetic_gguf import main as run
+    elif args.what == "tp":
+        from actors.bench.tensor_parallel import main as run
     else:
         from actors.bench.engine import main as run
     result = run()

@@ -179,6 +179,12 @@ class ServerSection(_Section):
     zmq_curve_secret_file: str = ""  # "" = plain ZeroMQ; else CURVE with this secret key
 
 
+class ParallelSection(_Section):
+    # ranks the model is split across (kernels/tensor_parallel.py): torch.distributed with
+    # gloo, one process per rank on its own cores; 1 = one runner holds the whole model
+    tensor_parallel_size: int = 1
+
+
 class EngineConfig(_Section):
     model: ModelSection = msgspec.field(default_factory=ModelSection)
     kv: KvSection = msgspec.field(default_factory=KvSection)
@@ -187,6 +193,7 @@ class EngineConfig(_Section):
     server: ServerSection = msgspec.field(default_factory=ServerSection)
     sessions: SessionsSection = msgspec.field(default_factory=SessionsSection)
     speculative: SpeculativeSection = msgspec.field(default_factory=SpeculativeSection)
+    parallel: ParallelSection = msgspec.field(default_factory=ParallelSection)
 
     @classmethod
     def load(
@@ -256,6 +263,10 @@ class EngineConfig(_Section):
                 "scheduler: 0 <= min_new_token_ratio <= new_token_ratio <= 1 must hold",
             ),
             (self.model.threads >= 0, "model.threads must be >= 0"),
+            (
+                self.parallel.tensor_parallel_size >= 1,
+                "parallel.tensor_parallel_size must be >= 1",
+            ),
             (
                 self.speculative.num_speculative_tokens >= 1,
                 "speculative.num_speculative_tokens must be >= 1",

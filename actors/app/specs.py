@@ -34,11 +34,17 @@ _log = get_logger("specs")
 CORE_ACTORS = ("tokenizer", "scheduler", "allocator", "runner", "sessions")  # + "radix"
 
 
+def host_tier_bytes(cfg: EngineConfig) -> int:
+    """The host tier's budget as served: none under tensor parallelism, where each rank's
+    pool holds a share of every page (the tiers copy one pool)."""
+    return 0 if cfg.parallel.tensor_parallel_size > 1 else cfg.kv.host_tier_bytes
+
+
 def session_limit(cfg: EngineConfig) -> int:
     """Open sessions at most. With a host tier, `sessions.max_sessions`: an idle session
     holding a row gives it back (its KV demoted) when a request needs one. Without one, also
     the rows running requests leave spare, so idle sessions' KV is never dropped for rows."""
-    if cfg.kv.host_tier_bytes:
+    if host_tier_bytes(cfg):
         return max(cfg.sessions.max_sessions, 0)
     spare_rows = cfg.kv.max_rows - cfg.scheduler.max_running_requests
     return max(min(cfg.sessions.max_sessions, spare_rows), 0)
@@ -253,7 +259,8 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 quantization=mdl.quantization,
                 swa_num_pages=swa_num_pages,
                 grammar_cache_bytes=cfg.engine.grammar_cache_bytes,
-                store_dir=kv.store_dir if kv.host_tier_bytes else "",
+                store_dir=kv.store_dir if host_tier_bytes(cfg) else "",
+                tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             ),
             group=group("runner", "main"),
             on_crash=cfg.engine.runner_on_crash,
@@ -275,7 +282,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 swa_free_step=kv.swa_free_step,
                 swa_free_prompt=kv.swa_free_prompt,
                 session_max_pages=int(cfg.sessions.max_pinned_share * num_pages),
-                host_tier_bytes=kv.host_tier_bytes,
+                host_tier_bytes=host_tier_bytes(cfg),
                 disk_tier_bytes=kv.disk_tier_bytes if kv.store_dir else 0,
                 tier_prefix_blocks=kv.tier_prefix_blocks,
             ),

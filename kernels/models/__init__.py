@@ -46,10 +46,10 @@ def build_model(config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dt
     state = {name: t if t.dtype == dtype else t.to(dtype) for name, t in weights.items()}
     state = stack_projections(state)
     expected = set(model.state_dict())
-    return _bound(model, config, state, expected - set(state), set(state) - expected)
+    return bind_weights(model, config, state, expected - set(state), set(state) - expected)
 
 
-def _bound(model: nn.Module, config: ModelConfig, state, missing, unexpected) -> nn.Module:
+def bind_weights(model: nn.Module, config: ModelConfig, state, missing, unexpected) -> nn.Module:
     """`model` (on the meta device) with `state` assigned, in eval mode without grads; a
     ValueError naming what does not fit when anything is `missing` or `unexpected`."""
     if missing or unexpected:
@@ -93,17 +93,21 @@ def load_model(
     path: str | Path | None = None, dtype: torch.dtype = torch.float32
 ) -> tuple[ModelConfig, nn.Module]:
     """(config, model) for a GGUF file, a HF folder, or None for the embedded Gemma 3 270M."""
-    from kernels.gguf_loader import load_gguf_config, load_gguf_weights
-    from kernels.hf_loader import load_hf_weights, read_hf_config
+    config = load_config(path)
+    return config, build_model(config, load_model_weights(path, dtype, config), dtype)
+
+
+def load_model_weights(
+    path: str | Path | None, dtype: torch.dtype, config: ModelConfig | None = None
+) -> dict[str, Tensor]:
+    """The checkpoint's tensors by (HF) name, minus the leading "model.", in `dtype`."""
+    from kernels.gguf_loader import load_gguf_weights
+    from kernels.hf_loader import load_hf_weights
 
     kind, source = resolve_model_source(path)
     if kind == "gguf":
-        config = load_gguf_config(source)
-        weights = load_gguf_weights(source, dtype)
-    else:
-        config = read_hf_config(source)
-        weights = load_hf_weights(source, config, dtype)
-    return config, build_model(config, weights, dtype)
+        return load_gguf_weights(source, dtype)
+    return load_hf_weights(source, config or load_config(path), dtype)
 
 
 def load_quantized_model(
@@ -223,7 +227,7 @@ def build_quantized_model(
     own = model.state_dict()
     missing = {n for n, t in own.items() if t.is_meta} - set(state)
     unexpected = (set(state) - set(own)) | {f"{n}.weight" for n in parts}
-    return _bound(model, config, state, missing, unexpected), head_part
+    return bind_weights(model, config, state, missing, unexpected), head_part
 
 
 def _joined(parts, activations: dict[str, torch.dtype]):
@@ -336,12 +340,14 @@ __all__ = [
     "MODEL_CLASSES",
     "Gemma3ForCausalLM",
     "LlamaForCausalLM",
+    "bind_weights",
     "build_model",
     "build_quantized_model",
     "load_for",
     "load_quantized_model",
     "load_config",
     "load_model",
+    "load_model_weights",
     "quantize_model",
     "quantized_lm_head",
     "resolve_model_source",

@@ -43,7 +43,7 @@ class Gemma3Attention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = ctx.attention.forward(layer_id, q, k, v, ctx.kv_cache, is_sliding)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return ctx.summed(self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -65,7 +65,7 @@ class Gemma3DecoderLayer(nn.Module):
             self.input_layernorm(hidden), ctx, self.layer_id, self.layer_type, self.is_sliding
         )
         hidden = hidden + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        mlp = ctx.summed(self.mlp(self.pre_feedforward_layernorm(hidden)))
         return hidden + self.post_feedforward_layernorm(mlp)
 
 

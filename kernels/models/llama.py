@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = ctx.attention.forward(layer_id, q, k, v, ctx.kv_cache, is_sliding)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return ctx.summed(self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -68,7 +68,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(
             self.input_layernorm(hidden), ctx, self.layer_id, self.layer_type, self.is_sliding
         )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + ctx.summed(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 class LlamaForCausalLM(nn.Module):

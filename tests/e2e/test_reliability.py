@@ -272,7 +272,26 @@ def _runner_pid(server: ServerHandle) -> int:
     return pids[0]
 
 
-async def _load_then_kill(server: ServerHandle) -> tuple[list[StreamResult], list[httpx.Response]]:
+def _rank_pids(server: ServerHandle) -> list[int]:
+    """Rank 1 of a tensor-parallel runner: the server's child `kernels.tensor_parallel`."""
+    out = subprocess.run(
+        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.process.pid)],
+        capture_output=True,
+        text=True,
+        check=False,  # ps exits 1 when the server has no child
+    ).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "kernels.tensor_parallel" in line]
+
+
+def _rank_pid(server: ServerHandle) -> int:
+    pids = _rank_pids(server)
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+async def _load_then_kill(
+    server: ServerHandle, victim=_runner_pid
+) -> tuple[list[StreamResult], list[httpx.Response]]:
     streams: list[StreamResult] = []
     plain: list[httpx.Response] = []
     started = [anyio.Event() for _ in range(4)]
@@ -295,7 +314,7 @@ async def _load_then_kill(server: ServerHandle) -> tuple[list[StreamResult], lis
                     tg.start_soon(whole, i)
                 for ev in started:
                     await ev.wait()
-                os.kill(_runner_pid(server), signal.SIGKILL)
+                os.kill(victim(server), signal.SIGKILL)
     return streams, plain
 
 
@@ -360,3 +379,59 @@ def test_runner_killed_with_restart_policy_serves_again():
         assert server.process.poll() is None
     finally:
         stop_server(server)
+
+
+# ---- kill -9 of a tensor-parallel rank ----------------------------------------------------
+
+TWO_RANKS = ["parallel.tensor_parallel_size=2"]
+
+
+def test_rank_killed_with_shutdown_policy_errors_every_client_and_exits_one():
+    server = start_server(extra=[*FAST, *TWO_RANKS])
+    try:
+        streams, plain = anyio.run(_load_then_kill, server, _rank_pid)
+        code = server.process.wait(timeout=STOP_TIMEOUT_S)
+    finally:
+        stop_server(server, check=False)
+    assert len(streams) == 4 and len(plain) == 2
+    for r in streams:
+        assert r.done and r.error is not None and r.finish_reason is None, r.events[-1:]
+    for resp in plain:
+        assert resp.status_code == 503, resp.text
+    assert code == 1, server.log_tail()
+    assert "tensor-parallel" in server.log_tail()
+    assert session_gone(server.process.pid)  # no orphan rank
+
+
+def test_rank_killed_with_restart_policy_serves_again():
+    server = start_server(extra=[*FAST, *TWO_RANKS, "engine.runner_on_crash=restart"])
+    try:
+        old_pid = _rank_pid(server)
+        streams, plain = anyio.run(_load_then_kill, server, _rank_pid)
+        for r in streams:
+            assert r.done and r.error is not None, r.events[-1:]
+        for resp in plain:
+            assert resp.status_code == 503, resp.text
+        deadline = time.monotonic() + 120
+        # a new group forms, with a new rank 1
+        while (
+            _rank_pids(server) in ([], [old_pid])
+            or httpx.get(f"{server.base_url}/health", timeout=5).status_code != 200
+        ):
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.25)
+        assert _rank_pid(server) != old_pid
+        resp = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json=_body("After the crash:", 8, stream=False),
+            headers=server.auth,
+            timeout=120,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["finish_reason"] == "length"
+        figures, _ = wait_idle(server, timeout_s=10)
+        assert is_idle(figures)
+        assert server.process.poll() is None
+    finally:
+        stop_server(server)
+    assert session_gone(server.process.pid)

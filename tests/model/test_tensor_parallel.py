@@ -1,0 +1,197 @@
+"""Tensor parallelism (kernels/tensor_parallel.py): two gloo ranks, this process rank 0 and a
+`python -m kernels.tensor_parallel` process rank 1, each holding half the model, against the
+same model on one rank: greedy tokens equal and logits within fp32 rounding, on tiny random
+Llama / Qwen2 / Qwen3 models with 4 KV heads (split 2 + 2), a GQA Llama with 2, and a Gemma 3
+with one KV head (copied to both ranks) and a sliding window shorter than the prompts.
+Prompts are prefilled in chunks, decoded in ragged batches; a vocabulary that does not
+split evenly pads the last rank's rows. A rank that dies breaks the group with an error
+naming the failure, and a rank that cannot start fails the launch naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.model_executor import build_executor
+from kernels.models import load_config, load_model
+from kernels.tensor_parallel import (
+    ParallelExecutor,
+    RankSettings,
+    TensorParallelError,
+    build_rank,
+    check_split,
+    core_placement,
+    launch,
+    split_of,
+    stop_ranks,
+)
+from tests.model.model_fixtures import (
+    TINY_COMMON,
+    TINY_GEMMA3_WINDOW8,
+    ContiguousSlots,
+    GreedyRunner,
+    rel_l2,
+)
+
+pytestmark = [pytest.mark.model]
+
+POOL = dict(num_pages=160, swa_num_pages=0, page_size=16, max_rows=4, row_capacity=512)
+ODD_VOCAB = 509  # not a multiple of 2: rank 1's vocabulary rows end in padding
+
+
+def _configs():
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(TINY_COMMON, vocab_size=ODD_VOCAB)
+    return {
+        "llama_4kv": LlamaConfig(
+            **common, num_hidden_layers=2, num_key_value_heads=4, tie_word_embeddings=False
+        ),
+        "qwen2_bias_4kv": Qwen2Config(
+            **dict(common, num_attention_heads=8),
+            num_hidden_layers=2,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+        ),
+        "qwen3_qk_norm_4kv": Qwen3Config(
+            **common, num_hidden_layers=2, num_key_value_heads=4, head_dim=16
+        ),
+        "llama_gqa_2kv": LlamaConfig(
+            **common, num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False
+        ),
+        "gemma3_1kv_window8": Gemma3TextConfig(**common, **TINY_GEMMA3_WINDOW8),
+    }
+
+
+@pytest.fixture(scope="module", params=list(_configs()))
+def tiny_folder(request, tmp_path_factory) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(4321)
+    hf = AutoModelForCausalLM.from_config(_configs()[request.param], dtype=torch.float32)
+    with torch.no_grad():  # non-trivial norms and biases: each must be split (or not) right
+        for name, param in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.uniform_(-0.5, 0.5)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    return folder
+
+
+def _settings(model: str | None, world: int = 2) -> RankSettings:
+    cores, threads = core_placement(world, sorted(os.sched_getaffinity(0)))
+    return RankSettings(
+        model=model,
+        dtype="float32",
+        attention="torch",
+        linear="aten",
+        threads=threads,
+        world=world,
+        cores=cores,
+        **POOL,
+    )
+
+
+def _one_rank(model: str | None):
+    config, module = load_model(model, torch.float32)
+    return build_executor(
+        config,
+        module,
+        None,
+        device="cpu",
+        dtype=torch.float32,
+        attention="torch",
+        linear="aten",
+        **POOL,
+    )
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (7, 29, 45)]
+
+
+def _run(executor, prompts):
+    runner = GreedyRunner(executor, ContiguousSlots(4, 512, first_slot=16))
+    logits = runner.prefill_logits(prompts, chunk=16)
+    return logits, runner.generate(prompts, 12, chunk=16)
+
+
+@pytest.fixture
+def two_ranks():
+    """launch(settings) -> a ParallelExecutor; the ranks are stopped afterwards."""
+    started = []
+
+    def start(model: str | None):
+        group, processes = launch(_settings(model))
+        started.append(processes)
+        config, local = build_rank(_settings(model), group)
+        return ParallelExecutor(local, group), processes
+
+    yield start
+    for processes in started:
+        stop_ranks(processes)
+
+
+def test_two_ranks_equal_one_rank(tiny_folder, two_ranks):
+    config = load_config(tiny_folder)
+    prompts = _prompts(config.vocab)
+    tp, _ = two_ranks(str(tiny_folder))
+    split_logits, split_tokens = _run(tp, prompts)
+    whole_logits, whole_tokens = _run(_one_rank(str(tiny_folder)), prompts)
+    assert split_logits.shape == (len(prompts), ODD_VOCAB)
+    assert rel_l2(split_logits, whole_logits) < 1e-5
+    assert split_tokens == whole_tokens
+    # the shares: half the query heads, half or a copy of the KV heads, half the MLP
+    local = tp.local.config
+    assert local.num_heads * 2 == config.num_heads
+    assert local.num_kv_heads == max(1, config.num_kv_heads // 2)
+    assert local.intermediate * 2 == config.intermediate
+    assert tp.local.kv_cache.num_kv_heads == local.num_kv_heads
+
+
+def test_the_embedded_gemma_splits_exactly(two_ranks):
+    """Gemma 3 270M, fp32: 4 query heads and 1 KV head over 2 ranks, vocabulary 262,144."""
+    prompts = [[2, 818, 5279, 529, 7001, 563] * 6, [2, 2063, 17018, 236769]]
+    tp, _ = two_ranks(None)
+    split_logits, split_tokens = _run(tp, prompts)
+    whole_logits, whole_tokens = _run(_one_rank(None), prompts)
+    assert rel_l2(split_logits, whole_logits) < 1e-5
+    assert split_tokens == whole_tokens
+
+
+def test_a_dead_rank_breaks_the_group_with_an_error(tiny_folder, two_ranks):
+    if "llama_4kv" not in tiny_folder.name:
+        pytest.skip("one architecture is enough")
+    tp, processes = two_ranks(str(tiny_folder))
+    runner = GreedyRunner(tp, ContiguousSlots(4, 512, first_slot=16))
+    runner.prefill_logits([[5, 6, 7]])
+    os.kill(processes[0].pid, signal.SIGKILL)
+    processes[0].wait()
+    with pytest.raises(TensorParallelError, match="rank 0"):
+        runner.prefill_logits([[5, 6, 7, 8]])
+    assert tp.group.broken
+    with pytest.raises(TensorParallelError, match="broken"):
+        runner.prefill_logits([[9]])
+
+
+def test_a_rank_that_cannot_start_fails_the_launch():
+    settings = _settings(None)
+    settings.cores = [[0], [10**6]]  # rank 1 cannot be pinned there: it exits before joining
+    with pytest.raises(TensorParallelError, match="rank 1 exited with code 1"):
+        launch(settings)
+
+
+def test_what_cannot_be_split_is_named():
+    config = load_config(None)  # Gemma 3 270M: 4 heads, 1 KV head, 2048 MLP features
+    check_split(config, 4)
+    with pytest.raises(TensorParallelError, match="3 ranks: 4 attention heads"):
+        check_split(config, 3)
+    # 1 KV head over 4 ranks: each rank keeps a copy of the head its queries read
+    assert [split_of(config, r, 4).kv_heads for r in range(4)] == [range(0, 1)] * 4
+    assert core_placement(2, [0, 1, 2, 3]) == ([[0, 1], [2, 3]], 2)
+    assert core_placement(4, [0, 1]) == ([[], [], [], []], 1)
