@@ -128,6 +128,7 @@ class ModelRunnerActor(Actor):
         self.tp_group = None  # kernels.tensor_parallel.TpGroup, formed in `_load`
         self._ranks: list = []  # the other ranks' processes
         self.tp_cores: list[list[int]] = []
+        self.tp_placement = ""
         if self.tp > 1:
             compile, cuda_graphs, store_dir = self._tensor_parallel_settings(quantization, threads)
         self.requested_compile = compile  # settled with the weights' layout (`_load`)
@@ -174,10 +175,11 @@ class ModelRunnerActor(Actor):
                 "is a one-rank mode (use none or auto)"
             )
         self.requested_quantization = "none"
-        self.tp_cores, per_rank = core_placement(self.tp, sorted(os.sched_getaffinity(0)))
+        self.tp_cores, per_rank, how = core_placement(self.tp, sorted(os.sched_getaffinity(0)))
+        self.tp_placement = how
         if threads <= 0:
             self.threads = per_rank
-            self.threads_reason = f"auto: {per_rank} per rank, each rank on its own cores"
+            self.threads_reason = f"auto: {per_rank} per rank ({how})"
         return "off", False, ""
 
     async def _on_worker(self, fn, *args):
@@ -199,6 +201,7 @@ class ModelRunnerActor(Actor):
             host_memory=keep_freed_memory()[1],
             tensor_parallel_size=self.tp,
             rank_cores=self.tp_cores or None,
+            rank_placement=self.tp_placement or None,
         )
         await self._on_worker(self._load)
         if self.tp > 1:

@@ -379,13 +379,47 @@ class RankSettings:
     port: int = 0
 
 
-def core_placement(world: int, cores: list[int]) -> tuple[list[list[int]], int]:
-    """(cores per rank, threads per rank): the cores split in contiguous runs, one per
-    rank; with fewer cores than ranks nobody is pinned and each rank gets one thread."""
+def numa_nodes(cores: list[int]) -> list[list[int]]:
+    """The machine's NUMA nodes as lists of the given `cores` (Linux sysfs; nodes holding
+    none of them left out; [] where sysfs says nothing)."""
+    from pathlib import Path
+
+    mine = set(cores)
+    nodes = []
+    for path in sorted(Path("/sys/devices/system/node").glob("node[0-9]*/cpulist")):
+        listed = _cpulist(path.read_text())
+        if listed & mine:
+            nodes.append(sorted(listed & mine))
+    return nodes
+
+
+def _cpulist(text: str) -> set[int]:
+    """ "0-3,8,10-11" -> {0, 1, 2, 3, 8, 10, 11}."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def core_placement(
+    world: int, cores: list[int], nodes: list[list[int]] | None = None
+) -> tuple[list[list[int]], int, str]:
+    """(cores per rank, threads per rank, how): with at least as many NUMA nodes as ranks,
+    rank r gets node r's cores (its memory is then local: SGLang's CPU backend places one
+    rank per node too); else the cores split in contiguous runs; with fewer cores than
+    ranks nobody is pinned and each rank gets one thread. `nodes` defaults to this
+    machine's (`numa_nodes`)."""
+    nodes = numa_nodes(cores) if nodes is None else nodes
+    if len(nodes) >= world:
+        per = min(len(n) for n in nodes[:world])
+        return [n[:per] for n in nodes[:world]], per, f"one NUMA node per rank ({len(nodes)})"
     if len(cores) < world:
-        return [[] for _ in range(world)], 1
+        return [[] for _ in range(world)], 1, f"unpinned: {len(cores)} cores for {world} ranks"
     per = len(cores) // world
-    return [cores[r * per : (r + 1) * per] for r in range(world)], per
+    runs = [cores[r * per : (r + 1) * per] for r in range(world)]
+    return runs, per, f"{per} core(s) per rank, {len(nodes) or 1} NUMA node(s)"
 
 
 def launch(settings: RankSettings) -> tuple[TpGroup, list[subprocess.Popen]]:

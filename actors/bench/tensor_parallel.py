@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype, why = choose_dtype(args.dtype, "cpu")
     rows, capacity = max(args.batches), max(args.prefill_len, args.context + 8)
     cores = sorted(os.sched_getaffinity(0))
-    placement, per_rank = core_placement(args.ranks, cores)
+    placement, per_rank, how = core_placement(args.ranks, cores)
     print(f"torch {torch.__version__}; {len(cores)} cores; dtype {dtype} ({why})", flush=True)
 
     results = {}
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             _, local = build_rank(settings, group)
             split = ParallelExecutor(local, group)
             print(
-                f"{args.ranks} ranks, {per_rank} thread(s) each on cores {placement}, "
+                f"{args.ranks} ranks, {per_rank} thread(s) each on cores {placement} ({how}), "
                 f"linear {local.linear}",
                 flush=True,
             )

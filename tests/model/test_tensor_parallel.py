@@ -83,7 +83,7 @@ def tiny_folder(request, tmp_path_factory) -> Path:
 
 
 def _settings(model: str | None, world: int = 2) -> RankSettings:
-    cores, threads = core_placement(world, sorted(os.sched_getaffinity(0)))
+    cores, threads, _ = core_placement(world, sorted(os.sched_getaffinity(0)))
     return RankSettings(
         model=model,
         dtype="float32",
@@ -193,5 +193,14 @@ def test_what_cannot_be_split_is_named():
         check_split(config, 3)
     # 1 KV head over 4 ranks: each rank keeps a copy of the head its queries read
     assert [split_of(config, r, 4).kv_heads for r in range(4)] == [range(0, 1)] * 4
-    assert core_placement(2, [0, 1, 2, 3]) == ([[0, 1], [2, 3]], 2)
-    assert core_placement(4, [0, 1]) == ([[], [], [], []], 1)
+
+
+def test_ranks_are_placed_by_numa_node_where_there_are_enough():
+    one_node = [[0, 1, 2, 3]]
+    assert core_placement(2, [0, 1, 2, 3], one_node)[:2] == ([[0, 1], [2, 3]], 2)
+    assert core_placement(4, [0, 1], [[0, 1]])[:2] == ([[], [], [], []], 1)
+    two_nodes = [[0, 1, 4, 5], [2, 3, 6, 7]]  # interleaved numbering, as on many servers
+    cores, threads, how = core_placement(2, list(range(8)), two_nodes)
+    assert cores == two_nodes and threads == 4 and "NUMA node per rank" in how
+    # more nodes than ranks: the first ones, as many cores each as the smallest
+    assert core_placement(2, [0, 1, 2], [[0, 1], [2], [3]])[:2] == ([[0], [2]], 1)
