@@ -129,6 +129,7 @@ class ModelRunnerActor(Actor):
         self._ranks: list = []  # the other ranks' processes
         self.tp_cores: list[list[int]] = []
         self.tp_placement = ""
+        self._stopping = False  # on_stop ran: a load still starting ranks stops them
         if self.tp > 1:
             compile, cuda_graphs, store_dir = self._tensor_parallel_settings(quantization, threads)
         self.requested_compile = compile  # settled with the weights' layout (`_load`)
@@ -227,6 +228,7 @@ class ModelRunnerActor(Actor):
         # does the LM head with its chosen kernels, so without this a stopped runner's
         # gigabytes stay (a restarted runner loads beside them; engines made one after
         # another in a process pile up).
+        self._stopping = True
         self.executor = None
         self.sampler = None
         if self._ranks:
@@ -308,8 +310,17 @@ class ModelRunnerActor(Actor):
 
     def _load_ranks(self) -> None:
         """Start the other ranks and build this one's share (kernels/tensor_parallel)."""
-        from kernels.tensor_parallel import ParallelExecutor, RankSettings, build_rank, launch
+        from kernels.models import load_config
+        from kernels.tensor_parallel import (
+            ParallelExecutor,
+            RankSettings,
+            build_rank,
+            check_split,
+            launch,
+            stop_ranks,
+        )
 
+        check_split(load_config(self.model_path), self.tp)  # before any rank starts
         settings = RankSettings(
             model=self.model_path,
             dtype=str(self.dtype).removeprefix("torch."),
@@ -322,8 +333,14 @@ class ModelRunnerActor(Actor):
         )
         if self.tp_cores[0]:
             os.sched_setaffinity(0, self.tp_cores[0])  # this thread: rank 0's compute
-        self.tp_group, self._ranks = launch(settings)
+        # `self._ranks` sees each rank as it starts, so a stop during the load finds them
+        self.tp_group, _ = launch(settings, self._ranks)
+        if self._stopping:  # the actor stopped while the ranks started
+            stop_ranks(self._ranks)
+            raise RuntimeError("the runner stopped while its ranks started")
         self.quantization = "none"
+        why = "tensor parallelism splits exact weights"
+        self.log.info("quantization", quantization="none", reason=why)
         self.config, local = build_rank(settings, self.tp_group)
         self.executor = ParallelExecutor(local, self.tp_group)
         self.log.info(

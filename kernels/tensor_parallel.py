@@ -6,7 +6,7 @@ Megatron's split, as vLLM and SGLang do it, on a gloo process group (CPU):
   * o_proj and down_proj are row-parallel: each rank multiplies its slice and one
     all-reduce sums the partial products (a bias is added by rank 0 alone);
   * the embedding and the LM head are vocabulary-parallel: rank r holds rows
-    [r * V/N, (r + 1) * V/N) (the last padded with zeros); a lookup is summed over the
+    [r * ceil(V/N), (r + 1) * ceil(V/N)) (the last padded with zeros); a lookup is summed over the
     ranks, and the logits are gathered once per step, on rank 0, which samples;
   * KV heads are split across the ranks; a model with fewer KV heads than ranks (Gemma 3
     270M has one) gives every rank a copy of the head its query heads read.
@@ -53,6 +53,15 @@ class TensorParallelError(RuntimeError):
     """A model or setting that cannot be split as asked; the message names the reason."""
 
 
+def gloo_group(store, rank: int, world: int, host: str):
+    """A gloo process group whose ranks talk over `host`'s interface (loopback for the
+    ranks of one machine), with COLLECTIVE_TIMEOUT."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = COLLECTIVE_TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, world, options)
+
+
 class TpGroup:
     """One rank's handle on the group: the collectives the split model needs, and rank 0's
     commands to the others (pickled, broadcast over the same group)."""
@@ -68,7 +77,7 @@ class TpGroup:
     def join(cls, host: str, port: int, rank: int, world: int) -> TpGroup:
         """Join the group whose rendezvous rank 0 serves at host:port."""
         store = dist.TCPStore(host, port, world, False, timeout=JOIN_TIMEOUT)
-        return cls(dist.ProcessGroupGloo(store, rank, world, COLLECTIVE_TIMEOUT), rank, world)
+        return cls(gloo_group(store, rank, world, host), rank, world)
 
     def _guard(self, what: str, fn):
         if self.broken is not None:
@@ -422,7 +431,9 @@ def core_placement(
     return runs, per, f"{per} core(s) per rank, {len(nodes) or 1} NUMA node(s)"
 
 
-def launch(settings: RankSettings) -> tuple[TpGroup, list[subprocess.Popen]]:
+def launch(
+    settings: RankSettings, processes: list[subprocess.Popen] | None = None
+) -> tuple[TpGroup, list[subprocess.Popen]]:
     """Rank 0 (this process): serve the rendezvous, start ranks 1..world-1 (each `python -m
     kernels.tensor_parallel RANK SETTINGS`) and form the group with them. A rank that exits
     before the group forms fails the launch at once, naming it."""
@@ -433,16 +444,16 @@ def launch(settings: RankSettings) -> tuple[TpGroup, list[subprocess.Popen]]:
     blob = json.dumps(dataclasses.asdict(settings))
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, settings.threads)))
     command = [sys.executable, "-m", "kernels.tensor_parallel"]
-    processes = [
-        subprocess.Popen([*command, str(rank), blob], env=env) for rank in range(1, settings.world)
-    ]
+    processes = [] if processes is None else processes  # the caller's list sees each start
+    for rank in range(1, settings.world):
+        processes.append(subprocess.Popen([*command, str(rank), blob], env=env))
     # The group forms in a thread of its own (a daemon: a launch that fails leaves it
     # waiting out JOIN_TIMEOUT without holding up this process's exit).
     joined: Future = Future()
 
     def form() -> None:
         try:
-            joined.set_result(dist.ProcessGroupGloo(store, 0, settings.world, COLLECTIVE_TIMEOUT))
+            joined.set_result(gloo_group(store, 0, settings.world, settings.host))
         except Exception as exc:
             joined.set_exception(exc)
 
@@ -470,16 +481,14 @@ def exited(processes: list[subprocess.Popen]) -> list[tuple[int, int]]:
     return [(r, p.returncode) for r, p in enumerate(processes, 1) if p.poll() is not None]
 
 
-def stop_ranks(processes: list[subprocess.Popen], wait_s: float = 5.0) -> None:
+def stop_ranks(processes: list[subprocess.Popen]) -> None:
+    """Kill and reap the ranks (they keep no state; they ignore SIGINT and SIGTERM, which
+    belong to the engine's drain)."""
     for p in processes:
         if p.poll() is None:
-            p.terminate()
-    for p in processes:
-        try:
-            p.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
             p.kill()
-            p.wait()
+    for p in processes:
+        p.wait()
 
 
 def build_rank(settings: RankSettings, group: TpGroup, device: str = "cpu"):
@@ -496,7 +505,7 @@ def build_rank(settings: RankSettings, group: TpGroup, device: str = "cpu"):
         device=device,
         dtype=dtype,
         attention=settings.attention,
-        linear=settings.linear,
+        linear=agreed_linear(settings.linear, model, dtype, group),
         num_pages=settings.num_pages,
         swa_num_pages=settings.swa_num_pages,
         page_size=settings.page_size,
@@ -504,12 +513,37 @@ def build_rank(settings: RankSettings, group: TpGroup, device: str = "cpu"):
         row_capacity=settings.row_capacity,
     )
     parallelize(executor, group, config.vocab)
+    # Every rank loaded: a rank that failed fails this (its sockets closed), so the start.
+    group.all_reduce(torch.ones(1))
     return config, executor
+
+
+def agreed_linear(requested: str, model: nn.Module, dtype: torch.dtype, group: TpGroup) -> str:
+    """One weight layout for every rank: "auto" settles on each rank's own share (the fp16
+    layouts need its weights within fp16's range), so the ranks vote, and a layout they do
+    not all pick gives way to aten."""
+    from kernels.linear import LINEAR_BACKENDS, choose_linear_backend
+
+    if requested != "auto":
+        return requested
+    weights = [m.weight for m in model.layers.modules() if type(m) is nn.Linear]
+    weights.append(model.lm_head_weight)
+    mine = choose_linear_backend(requested, torch.device("cpu"), dtype, weights)[0]
+    votes = torch.zeros(len(LINEAR_BACKENDS))
+    votes[LINEAR_BACKENDS.index(mine)] = 1
+    group.all_reduce(votes)
+    return mine if int(votes[LINEAR_BACKENDS.index(mine)]) == group.world else "aten"
 
 
 def worker_main(argv: list[str]) -> int:
     """A rank other than 0: join, build the shard, run rank 0's commands until it stops
     or the group breaks (then exit 1: rank 0 sees its sockets close)."""
+    import signal
+
+    # A terminal's Ctrl-C or a service manager's SIGTERM to the whole group starts the
+    # engine's drain; the ranks serve its last steps and go when rank 0 stops them or dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank, settings = int(argv[0]), RankSettings(**json.loads(argv[1]))
     cores = settings.cores[rank]
     if cores:

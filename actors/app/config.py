@@ -268,6 +268,12 @@ class EngineConfig(_Section):
                 "parallel.tensor_parallel_size must be >= 1",
             ),
             (
+                self.parallel.tensor_parallel_size == 1
+                or not (k.memory_fraction or k.memory_bytes),
+                "kv.memory_fraction / kv.memory_bytes do not size a tensor-parallel pool yet "
+                "(each rank holds its own): set kv.num_pages",
+            ),
+            (
                 self.speculative.num_speculative_tokens >= 1,
                 "speculative.num_speculative_tokens must be >= 1",
             ),

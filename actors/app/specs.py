@@ -233,6 +233,12 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
     _control_plane_thread()
     kv, sch, mdl = cfg.kv, cfg.scheduler, cfg.model
     group = cfg.engine.groups.get
+    if kv.host_tier_bytes and not host_tier_bytes(cfg):
+        _log.warning(
+            "kv tiers off",
+            reason="tensor parallelism: each rank's pool holds a share of every page",
+            host_tier_bytes=kv.host_tier_bytes,
+        )
     model_path = mdl.path or None
     plan = memory_plan(cfg)
     num_pages = plan.num_pages

@@ -56,3 +56,11 @@ def test_parse_overrides_reads_toml_scalars_and_keeps_raw_strings():
     }
     with pytest.raises(ConfigError, match="section.key=value"):
         parse_overrides(["num_pages"])
+
+
+def test_a_tensor_parallel_pool_is_sized_by_pages_not_memory():
+    EngineConfig.load(parallel__tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor-parallel pool"):
+        EngineConfig.load(parallel__tensor_parallel_size=2, kv__memory_fraction=0.5)
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig.load(parallel__tensor_parallel_size=0)
