@@ -213,6 +213,7 @@ def build_executor(
     max_rows: int,
     row_capacity: int,
     cuda_graphs: bool = False,
+    validate: bool = False,
 ) -> ModelExecutor:
     """The runner's executor: `model` on `device`, a KV pool of `num_pages` pages (plus the
     page 0 every unmapped slot points at), the req-to-token table of `max_rows` rows (plus
@@ -243,7 +244,7 @@ def build_executor(
         make_attention_backend(attention, **options),
         table,
         lm_head=lm_head,
-        validate=False,
+        validate=validate,
         cuda_graphs=cuda_graphs,
         linear=linear,
     )

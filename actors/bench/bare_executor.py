@@ -20,41 +20,30 @@ def bare_executor(
 ):
     import torch
 
-    from kernels.attention import make_attention_backend
-    from kernels.kv_cache import KVCache, ReqToTokenTable
-    from kernels.model_executor import ModelExecutor
+    from kernels.cuda_graphs import GRAPH_BACKENDS
+    from kernels.model_executor import build_executor
 
     weight = model.embed_tokens.weight
-    dtype, device = weight.dtype, weight.device
-    kv = KVCache(
-        config.num_layers,
-        rows * capacity + 1,
-        config.num_kv_heads,
-        config.head_dim,
-        dtype,
-        device=device,
+    executor = build_executor(
+        config,
+        model,
+        lm_head,
+        device=str(weight.device),
+        dtype=weight.dtype,
+        attention=attention,
+        linear=linear,
+        num_pages=rows * capacity,  # pages of one slot: slot 0 pads, row r's follow
+        swa_num_pages=0,
+        page_size=1,
+        max_rows=rows - 1,  # + the table's padding row: rows rows
+        row_capacity=capacity,
+        cuda_graphs=cuda_graphs and weight.device.type == "cuda" and attention in GRAPH_BACKENDS,
+        validate=validate,
     )
-    table = ReqToTokenTable(rows, capacity, device=device)
-    table.apply_slot_deltas(
+    executor.req_to_token.apply_slot_deltas(
         list(range(rows)),
         [0] * rows,
         [capacity] * rows,
         torch.arange(1, rows * capacity + 1, dtype=torch.int32),
     )
-    from kernels.cuda_graphs import GRAPH_BACKENDS, graph_max_pages
-
-    options = {} if attention == "torch" else {"device": device, "dtype": dtype}
-    graphs = cuda_graphs and device.type == "cuda" and attention in GRAPH_BACKENDS
-    if graphs:
-        options["graph_max_pages"] = graph_max_pages(capacity, 1)
-    return ModelExecutor(
-        config,
-        model,
-        kv,
-        make_attention_backend(attention, **options),
-        table,
-        lm_head=lm_head,
-        validate=validate,
-        cuda_graphs=graphs,
-        linear=linear,
-    )
+    return executor

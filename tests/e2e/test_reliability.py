@@ -321,6 +321,25 @@ async def _load_then_kill(
 MULTI_PROCESS = ["engine.transport=ipc", "engine.groups.runner=model"]
 
 
+def _wait_serving(server: ServerHandle, ready) -> None:
+    """Until `ready()` and /health is 200 (at most 120 s)."""
+    deadline = time.monotonic() + 120
+    while not ready() or httpx.get(f"{server.base_url}/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.25)
+
+
+def _assert_completes(server: ServerHandle) -> None:
+    resp = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json=_body("After the crash:", 8, stream=False),
+        headers=server.auth,
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_runner_killed_with_shutdown_policy_errors_every_client_and_exits_one():
     server = start_server(extra=[*FAST, *MULTI_PROCESS])
     try:
@@ -347,19 +366,9 @@ def test_runner_killed_with_restart_policy_serves_again():
             assert "runner failed" in r.error["message"], r.error
         for resp in plain:
             assert resp.status_code == 503, resp.text
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{server.base_url}/health", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, server.log_tail()
-            time.sleep(0.25)
+        _wait_serving(server, lambda: True)
         assert _runner_pid(server) != old_pid
-        resp = httpx.post(
-            f"{server.base_url}/v1/completions",
-            json=_body("After the crash:", 8, stream=False),
-            headers=server.auth,
-            timeout=120,
-        )
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["choices"][0]["finish_reason"] == "length"
+        _assert_completes(server)
         # A constrained request: its grammar, compiled in this process, is loaded by the
         # new runner process from the bytes the request carries.
         constrained = httpx.post(
@@ -412,23 +421,10 @@ def test_rank_killed_with_restart_policy_serves_again():
             assert r.done and r.error is not None, r.events[-1:]
         for resp in plain:
             assert resp.status_code == 503, resp.text
-        deadline = time.monotonic() + 120
         # a new group forms, with a new rank 1
-        while (
-            _rank_pids(server) in ([], [old_pid])
-            or httpx.get(f"{server.base_url}/health", timeout=5).status_code != 200
-        ):
-            assert time.monotonic() < deadline, server.log_tail()
-            time.sleep(0.25)
+        _wait_serving(server, lambda: _rank_pids(server) not in ([], [old_pid]))
         assert _rank_pid(server) != old_pid
-        resp = httpx.post(
-            f"{server.base_url}/v1/completions",
-            json=_body("After the crash:", 8, stream=False),
-            headers=server.auth,
-            timeout=120,
-        )
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["choices"][0]["finish_reason"] == "length"
+        _assert_completes(server)
         figures, _ = wait_idle(server, timeout_s=10)
         assert is_idle(figures)
         assert server.process.poll() is None

@@ -67,19 +67,28 @@ def _configs():
     }
 
 
-@pytest.fixture(scope="module", params=list(_configs()))
-def tiny_folder(request, tmp_path_factory) -> Path:
+def _save_tiny(name: str, tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(4321)
-    hf = AutoModelForCausalLM.from_config(_configs()[request.param], dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_config(_configs()[name], dtype=torch.float32)
     with torch.no_grad():  # non-trivial norms and biases: each must be split (or not) right
-        for name, param in hf.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+        for param_name, param in hf.named_parameters():
+            if "norm" in param_name or param_name.endswith("bias"):
                 param.uniform_(-0.5, 0.5)
-    folder = tmp_path_factory.mktemp(request.param)
+    folder = tmp_path_factory.mktemp(name)
     hf.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module", params=list(_configs()))
+def tiny_folder(request, tmp_path_factory) -> Path:
+    return _save_tiny(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory) -> Path:
+    return _save_tiny("llama_4kv", tmp_path_factory)
 
 
 def _settings(model: str | None, world: int = 2) -> RankSettings:
@@ -164,10 +173,8 @@ def test_the_embedded_gemma_splits_exactly(two_ranks):
     assert split_tokens == whole_tokens
 
 
-def test_a_rank_outlives_interrupts_but_its_death_breaks_the_group(tiny_folder, two_ranks):
-    if "llama_4kv" not in tiny_folder.name:
-        pytest.skip("one architecture is enough")
-    tp, processes = two_ranks(str(tiny_folder))
+def test_a_rank_outlives_interrupts_but_its_death_breaks_the_group(llama_folder, two_ranks):
+    tp, processes = two_ranks(str(llama_folder))
     runner = GreedyRunner(tp, ContiguousSlots(4, 512, first_slot=16))
     runner.prefill_logits([[5, 6, 7]])
     # Ctrl-C and a service manager's SIGTERM belong to the engine's drain: a rank serves on
