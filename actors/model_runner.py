@@ -93,6 +93,10 @@ class ModelRunnerActor(Actor):
         compile: str = "off",
         store_dir: str = "",
         tensor_parallel_size: int = 1,
+        nnodes: int = 1,
+        dist_init_addr: str = "",
+        curve_secret_file: str = "",
+        join_timeout_s: float = 120.0,
     ) -> None:
         from kernels.cpu import choose_dtype, choose_threads, one_thread_here
         from kernels.device import choose_attention, choose_device
@@ -125,6 +129,9 @@ class ModelRunnerActor(Actor):
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
         self.tp = tensor_parallel_size
+        # ranks on other machines (node 0 here): admitted at dist_init_addr with CURVE
+        self.nnodes, self.dist_init_addr = nnodes, dist_init_addr
+        self.curve_secret_file, self.join_timeout_s = curve_secret_file, join_timeout_s
         self.tp_group = None  # kernels.tensor_parallel.TpGroup, formed in `_load`
         self._ranks: list = []  # the other ranks' processes
         self.tp_cores: list[list[int]] = []
@@ -176,7 +183,9 @@ class ModelRunnerActor(Actor):
                 "is a one-rank mode (use none or auto)"
             )
         self.requested_quantization = "none"
-        self.tp_cores, per_rank, how = core_placement(self.tp, sorted(os.sched_getaffinity(0)))
+        here = self.tp // self.nnodes  # this machine's ranks: 0 .. here - 1
+        cores, per_rank, how = core_placement(here, sorted(os.sched_getaffinity(0)))
+        self.tp_cores = cores + [[] for _ in range(self.tp - here)]  # others place their own
         self.tp_placement = how
         if threads <= 0:
             self.threads = per_rank
@@ -334,7 +343,11 @@ class ModelRunnerActor(Actor):
         if self.tp_cores[0]:
             os.sched_setaffinity(0, self.tp_cores[0])  # this thread: rank 0's compute
         # `self._ranks` sees each rank as it starts, so a stop during the load finds them
-        self.tp_group, _ = launch(settings, self._ranks)
+        admit = None
+        if self.nnodes > 1:
+            admit, settings.host = self._admission()
+        here = range(1, self.tp // self.nnodes)
+        self.tp_group, _ = launch(settings, self._ranks, local_ranks=here, admit=admit)
         if self._stopping:  # the actor stopped while the ranks started
             stop_ranks(self._ranks)
             raise RuntimeError("the runner stopped while its ranks started")
@@ -350,6 +363,30 @@ class ModelRunnerActor(Actor):
             heads_per_rank=local.config.num_heads,
             kv_heads_per_rank=local.config.num_kv_heads,
         )
+
+    def _admission(self):
+        """(admit, rendezvous host) for ranks on other machines: node 0 listens at
+        dist_init_addr now (an address not this machine's fails the start, naming it) and
+        `admit(settings)` answers each other node with them, until all have joined."""
+        import dataclasses
+
+        from transport.rendezvous import Admission, split_address
+        from transport.security import read_curve_secret
+
+        admission = Admission(self.dist_init_addr, read_curve_secret(self.curve_secret_file))
+        per_node = self.tp // self.nnodes
+
+        def admit(settings) -> None:
+            try:
+                admission.admit(
+                    set(range(1, self.nnodes)),
+                    lambda node: {"settings": dataclasses.asdict(settings), "per_node": per_node},
+                    time.monotonic() + self.join_timeout_s,
+                )
+            finally:
+                admission.close()
+
+        return admit, split_address(self.dist_init_addr)[0]
 
     def _disk_tier(self, config) -> tuple[Path | None, str]:
         """The disk tier's folder (`store_dir/<fingerprint>`: one engine per store_dir) and

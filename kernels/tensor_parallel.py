@@ -54,10 +54,13 @@ class TensorParallelError(RuntimeError):
 
 
 def gloo_group(store, rank: int, world: int, host: str):
-    """A gloo process group whose ranks talk over `host`'s interface (loopback for the
-    ranks of one machine), with COLLECTIVE_TIMEOUT."""
+    """A gloo process group whose ranks talk over this machine's interface towards the
+    rendezvous `host` (loopback for the ranks of one machine), with COLLECTIVE_TIMEOUT."""
+    from transport.rendezvous import local_address_towards
+
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    device = dist.ProcessGroupGloo.create_device(hostname=local_address_towards(host))
+    options._devices = [device]
     options._timeout = COLLECTIVE_TIMEOUT
     return dist.ProcessGroupGloo(store, rank, world, options)
 
@@ -432,24 +435,27 @@ def core_placement(
 
 
 def launch(
-    settings: RankSettings, processes: list[subprocess.Popen] | None = None
+    settings: RankSettings,
+    processes: list[subprocess.Popen] | None = None,
+    local_ranks: range | None = None,
+    admit: Callable[[RankSettings], None] | None = None,
 ) -> tuple[TpGroup, list[subprocess.Popen]]:
-    """Rank 0 (this process): serve the rendezvous, start ranks 1..world-1 (each `python -m
-    kernels.tensor_parallel RANK SETTINGS`) and form the group with them. A rank that exits
+    """Rank 0 (this process): serve the rendezvous, start the `local_ranks` (default: ranks
+    1..world-1, each `python -m kernels.tensor_parallel RANK SETTINGS`) and form the group.
+    `admit(settings)`, run in a thread of its own with the settings as final (the store's
+    port), lets other machines' ranks in; it raising fails the launch. A rank that exits
     before the group forms fails the launch at once, naming it."""
     store = dist.TCPStore(
         settings.host, 0, settings.world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False
     )
     settings = dataclasses.replace(settings, port=store.port)
-    blob = json.dumps(dataclasses.asdict(settings))
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, settings.threads)))
-    command = [sys.executable, "-m", "kernels.tensor_parallel"]
     processes = [] if processes is None else processes  # the caller's list sees each start
-    for rank in range(1, settings.world):
-        processes.append(subprocess.Popen([*command, str(rank), blob], env=env))
-    # The group forms in a thread of its own (a daemon: a launch that fails leaves it
-    # waiting out JOIN_TIMEOUT without holding up this process's exit).
+    here = range(1, settings.world) if local_ranks is None else local_ranks
+    start_rank_processes(settings, here, processes)
+    # The group forms (and other machines are admitted) in threads of their own (daemons: a
+    # launch that fails leaves them waiting out their timeouts without holding up an exit).
     joined: Future = Future()
+    admitted: Future = Future()
 
     def form() -> None:
         try:
@@ -457,9 +463,18 @@ def launch(
         except Exception as exc:
             joined.set_exception(exc)
 
+    def let_in() -> None:
+        try:
+            admitted.set_result(admit(settings) if admit else None)
+        except Exception as exc:
+            admitted.set_exception(exc)
+
     threading.Thread(target=form, name="tp-join", daemon=True).start()
+    threading.Thread(target=let_in, name="tp-admit", daemon=True).start()
     while True:
         try:
+            if admitted.done():
+                admitted.result()  # raises what the admission raised
             pg = joined.result(timeout=0.2)
             break
         except FuturesTimeout:
@@ -474,6 +489,18 @@ def launch(
             stop_ranks(processes)
             raise
     return TpGroup(pg, 0, settings.world, store), processes
+
+
+def start_rank_processes(
+    settings: RankSettings, ranks: range, processes: list[subprocess.Popen]
+) -> None:
+    """Start `python -m kernels.tensor_parallel RANK SETTINGS` for each of `ranks`,
+    appending each to `processes` as it starts."""
+    blob = json.dumps(dataclasses.asdict(settings))
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, settings.threads)))
+    command = [sys.executable, "-m", "kernels.tensor_parallel"]
+    for rank in ranks:
+        processes.append(subprocess.Popen([*command, str(rank), blob], env=env))
 
 
 def exited(processes: list[subprocess.Popen]) -> list[tuple[int, int]]:

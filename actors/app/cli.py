@@ -56,6 +56,14 @@ SERVE_FLAGS = [
         int,
         "split the model across N rank processes (torch.distributed, gloo on the CPU)",
     ),
+    ("--nnodes", "parallel.nnodes", int, "machines the ranks are spread over"),
+    ("--node-rank", "parallel.node_rank", int, "this machine's index (0 runs the server)"),
+    (
+        "--dist-init-addr",
+        "parallel.dist_init_addr",
+        str,
+        "HOST:PORT where node 0 admits the other nodes (CURVE: parallel.curve_secret_file)",
+    ),
     ("--chat-template", "server.chat_template", str, "a chat template file (or its text)"),
     (
         "--tool-call-parser",
@@ -240,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.cmd == "serve":
-        return anyio.run(_serve, args)
+        node = _other_node(args)
+        return anyio.run(_serve, args) if node is None else node
     if args.cmd == "generate":
         return anyio.run(_generate, args)
     if args.cmd == "zmq-keygen":
@@ -320,6 +329,22 @@ def exposure_warnings(cfg, zmq_address: str | None) -> list[str]:
         if not is_loopback(host):
             out.append(f"ZeroMQ is bound to {zmq_address} with no API key (set --api-key)")
     return out
+
+
+def _other_node(args) -> int | None:
+    """Serve as node J > 0 of several machines (`actors/app/node.py`): its exit code; None
+    on node 0 or one machine."""
+    from actors.app.config import ConfigError
+
+    try:
+        cfg = load_config(args.config, args.set, **serve_overrides(args))
+    except ConfigError as exc:
+        raise SystemExit(f"bin/engine: {exc}") from None
+    if cfg.parallel.node_rank == 0:
+        return None
+    from actors.app.node import serve_node
+
+    return serve_node(cfg)
 
 
 async def _serve(args) -> int:

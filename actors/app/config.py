@@ -183,6 +183,32 @@ class ParallelSection(_Section):
     # ranks the model is split across (kernels/tensor_parallel.py): torch.distributed with
     # gloo, one process per rank on its own cores; 1 = one runner holds the whole model
     tensor_parallel_size: int = 1
+    # several machines (SGLang's flags): the ranks are split evenly over `nnodes` nodes;
+    # node 0 runs the control plane and admits the others at `dist_init_addr` (HOST:PORT,
+    # ZeroMQ with CURVE: every node holds the same key, `curve_secret_file`)
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""
+    curve_secret_file: str = ""
+    join_timeout_s: float = 120.0  # nodes wait this long for each other at start
+
+    def checks(self) -> list[tuple[bool, str]]:
+        one = self.nnodes == 1
+        return [
+            (self.nnodes >= 1, "parallel.nnodes must be >= 1"),
+            (0 <= self.node_rank < self.nnodes, "parallel.node_rank must be in [0, nnodes)"),
+            (
+                self.tensor_parallel_size % self.nnodes == 0,
+                "parallel.tensor_parallel_size must be a multiple of parallel.nnodes",
+            ),
+            (one or bool(self.dist_init_addr), "parallel.nnodes > 1 needs --dist-init-addr"),
+            (
+                one or bool(self.curve_secret_file),
+                "parallel.nnodes > 1 needs parallel.curve_secret_file (the same key on "
+                "every node: bin/engine zmq-keygen DIR)",
+            ),
+            (self.join_timeout_s > 0, "parallel.join_timeout_s must be > 0"),
+        ]
 
 
 class EngineConfig(_Section):
@@ -267,6 +293,7 @@ class EngineConfig(_Section):
                 self.parallel.tensor_parallel_size >= 1,
                 "parallel.tensor_parallel_size must be >= 1",
             ),
+            *self.parallel.checks(),
             (
                 self.parallel.tensor_parallel_size == 1
                 or not (k.memory_fraction or k.memory_bytes),

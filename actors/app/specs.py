@@ -40,6 +40,19 @@ def host_tier_bytes(cfg: EngineConfig) -> int:
     return 0 if cfg.parallel.tensor_parallel_size > 1 else cfg.kv.host_tier_bytes
 
 
+def multi_node(cfg: EngineConfig) -> dict:
+    """The runner's settings for ranks on other machines (none on one machine)."""
+    par = cfg.parallel
+    if par.nnodes == 1:
+        return {}
+    return dict(
+        nnodes=par.nnodes,
+        dist_init_addr=par.dist_init_addr,
+        curve_secret_file=par.curve_secret_file,
+        join_timeout_s=par.join_timeout_s,
+    )
+
+
 def session_limit(cfg: EngineConfig) -> int:
     """Open sessions at most. With a host tier, `sessions.max_sessions`: an idle session
     holding a row gives it back (its KV demoted) when a request needs one. Without one, also
@@ -267,6 +280,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
                 grammar_cache_bytes=cfg.engine.grammar_cache_bytes,
                 store_dir=kv.store_dir if host_tier_bytes(cfg) else "",
                 tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+                **multi_node(cfg),
             ),
             group=group("runner", "main"),
             on_crash=cfg.engine.runner_on_crash,
