@@ -56,6 +56,12 @@ SERVE_FLAGS = [
         int,
         "split the model across N rank processes (torch.distributed, gloo on the CPU)",
     ),
+    (
+        "--data-parallel-size",
+        "parallel.data_parallel_size",
+        int,
+        "N complete engines behind a session- and prefix-aware router",
+    ),
     ("--nnodes", "parallel.nnodes", int, "machines the ranks are spread over"),
     ("--node-rank", "parallel.node_rank", int, "this machine's index (0 runs the server)"),
     (
@@ -144,21 +150,8 @@ def _config(args, **extra):
     return load_config(args.config, args.set, **extra)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["gpu-check"]:  # its own parser owns every flag after it
-        from actors.bench.gpu_check import main as gpu_check
-
-        sys.argv = ["bin/engine gpu-check", *argv[1:]]
-        return gpu_check()
-    parser = argparse.ArgumentParser(prog="bin/engine", description="kvactor LLM serving engine")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-
-    serve = sub.add_parser(
-        "serve",
-        help="OpenAI-compatible HTTP server (+ ZeroMQ endpoint)",
-        description="Serve MODEL over an OpenAI-compatible HTTP API. Flags mean what vLLM's do.",
-    )
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """`serve`'s MODEL and flags."""
     serve.add_argument(
         "model",
         nargs="?",
@@ -196,11 +189,46 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--zmq", help="ZeroMQ client endpoint, e.g. tcp://127.0.0.1:5557")
     serve.add_argument(
+        "--role",
+        choices=["engine", "router"],
+        default="engine",
+        help="router: only the router, in front of the --replica engines started elsewhere",
+    )
+    serve.add_argument(
+        "--replica", action="append", default=[], metavar="URL", help="a replica's base URL"
+    )
+    serve.add_argument(
         "--set",
         action="append",
         metavar="SECTION.KEY=VALUE",
         help="any config key, e.g. --set kv.num_pages=4096",
     )
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """A parser of `bin/engine serve`'s arguments alone (for checks of commands written
+    elsewhere, e.g. the Kubernetes example's)."""
+    parser = argparse.ArgumentParser(prog="bin/engine serve")
+    add_serve_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu-check"]:  # its own parser owns every flag after it
+        from actors.bench.gpu_check import main as gpu_check
+
+        sys.argv = ["bin/engine gpu-check", *argv[1:]]
+        return gpu_check()
+    parser = argparse.ArgumentParser(prog="bin/engine", description="kvactor LLM serving engine")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (+ ZeroMQ endpoint)",
+        description="Serve MODEL over an OpenAI-compatible HTTP API. Flags mean what vLLM's do.",
+    )
+    add_serve_arguments(serve)
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal")
     gen.add_argument("prompt")
@@ -249,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         node = _other_node(args)
+        if node is None:
+            node = _router(args, argv)
         return anyio.run(_serve, args) if node is None else node
     if args.cmd == "generate":
         return anyio.run(_generate, args)
@@ -345,6 +375,22 @@ def _other_node(args) -> int | None:
     from actors.app.node import serve_node
 
     return serve_node(cfg)
+
+
+def _router(args, argv: list[str]) -> int | None:
+    """Serve as the data-parallel router (`actors/app/data_parallel.py`): its exit code;
+    None for an engine."""
+    cfg = load_config(args.config, args.set, **serve_overrides(args))
+    if args.role == "router":
+        if not args.replica:
+            raise SystemExit("bin/engine: --role router needs --replica URL (one or more)")
+    elif cfg.parallel.data_parallel_size == 1:
+        if args.replica:
+            raise SystemExit("bin/engine: --replica is for --role router")
+        return None
+    from actors.app.data_parallel import serve_router
+
+    return serve_router(cfg, argv[1:], args.replica)
 
 
 async def _serve(args) -> int:

@@ -191,6 +191,10 @@ class ParallelSection(_Section):
     dist_init_addr: str = ""
     curve_secret_file: str = ""
     join_timeout_s: float = 120.0  # nodes wait this long for each other at start
+    # complete engines behind one router (actors/router.py): sessions and Responses chains
+    # stay on their replica, other requests go where their prefix is cached, else to the
+    # least busy; 1 = one engine, no router
+    data_parallel_size: int = 1
 
     def checks(self) -> list[tuple[bool, str]]:
         one = self.nnodes == 1
@@ -208,6 +212,7 @@ class ParallelSection(_Section):
                 "every node: bin/engine zmq-keygen DIR)",
             ),
             (self.join_timeout_s > 0, "parallel.join_timeout_s must be > 0"),
+            (self.data_parallel_size >= 1, "parallel.data_parallel_size must be >= 1"),
         ]
 
 

@@ -1,0 +1,129 @@
+"""`serve --data-parallel-size N` and `serve --role router --replica URL ...`: the router
+(`actors/router.py`) on the server's host and port, in front of N replicas.
+
+With `--data-parallel-size N` this process starts the N replicas itself: each is
+`bin/engine serve` with the same model and settings on 127.0.0.1 and the next ports
+(port + 1 ... port + N), its own process group, OMP_NUM_THREADS = cores / N. The router
+starts once every replica answers /health (a replica that exits first fails the start,
+naming it). SIGTERM / SIGINT stop the router, then drain the replicas (SIGTERM each, as
+their own drain expects); each replica also gets SIGTERM if the router's process dies. A
+replica that dies later is taken out by the router; the others serve on. With `--role
+router` the replicas are engines started elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from actors.app.config import EngineConfig
+from actors.runtime.logging import get_logger
+
+_log = get_logger("data_parallel")
+
+START_TIMEOUT_S = 900.0
+DRAIN_WAIT_S = 60.0
+
+
+def replica_argv(argv: list[str], port: int) -> list[str]:
+    """`serve` arguments for one replica: the router's own, minus the flags that make a
+    router, with the replica's host and port."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--data-parallel-size", "--port", "--host", "--role", "--replica", "--zmq"):
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return [*out, "--host", "127.0.0.1", "--port", str(port)]
+
+
+def start_replicas(cfg: EngineConfig, argv: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
+    count = cfg.parallel.data_parallel_size
+    threads = max(1, len(os.sched_getaffinity(0)) // count)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    processes, urls = [], []
+    for i in range(count):
+        port = cfg.server.port + 1 + i
+        cmd = [sys.executable, "-m", "actors.app.cli", "serve", *replica_argv(argv, port)]
+        processes.append(
+            subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_drain_with_parent)
+        )
+        urls.append(f"http://127.0.0.1:{port}")
+    _log.info("replicas starting", replicas=urls, threads_each=threads)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    pending = set(range(count))
+    while pending:
+        for i in list(pending):
+            if processes[i].poll() is not None:
+                stop_replicas(processes)
+                raise SystemExit(
+                    f"bin/engine: replica {i} ({urls[i]}) exited with code "
+                    f"{processes[i].returncode} during its start"
+                )
+            try:
+                if httpx.get(urls[i] + "/health", timeout=2.0).status_code == 200:
+                    pending.discard(i)
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            stop_replicas(processes)
+            raise SystemExit(f"bin/engine: replicas {sorted(pending)} not healthy in time")
+        time.sleep(0.25)
+    return processes, urls
+
+
+def _drain_with_parent() -> None:
+    """In a replica before it runs: SIGTERM it (a drain) when the router's process dies,
+    however it dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def stop_replicas(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM each (they drain), then wait; kill what is left after DRAIN_WAIT_S."""
+    for p in processes:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + DRAIN_WAIT_S
+    for p in processes:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def serve_router(cfg: EngineConfig, argv: list[str], urls: list[str]) -> int:
+    """Run the router (starting the replicas first unless `urls` names them)."""
+    import uvicorn
+
+    from actors.router import Router
+
+    processes: list[subprocess.Popen] = []
+    if not urls:
+        processes, urls = start_replicas(cfg, argv)
+    try:
+        router = Router(urls)
+        print(
+            f"kvactor router on http://{cfg.server.host}:{cfg.server.port} "
+            f"in front of {', '.join(urls)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        uvicorn.run(router, host=cfg.server.host, port=cfg.server.port, log_level="warning")
+    finally:
+        stop_replicas(processes)
+    return 0

@@ -1,0 +1,158 @@
+"""`serve --data-parallel-size 2`: the router (actors/router.py) in front of two complete
+engines it starts. A streaming session's turns all land on the replica that holds its KV
+(each later turn finds its history cached); a long prefix sent again lands where it was
+cached; killing one replica leaves the other serving, with /health "degraded"; the
+router's /metrics counts each rule per replica. `--role router` fronts engines started
+elsewhere, passing their API key through, and reports a replica nobody serves as down."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.engine_fixtures import natural_text
+from tests.e2e.server_fixtures import (
+    MODEL_NAME,
+    pick_free_tcp_port,
+    session_gone,
+    start_server,
+    stop_server,
+)
+
+pytestmark = [pytest.mark.model]
+
+
+@pytest.fixture(scope="module")
+def router():
+    server = start_server(args=["--data-parallel-size", "2"], extra=["kv.num_pages=256"])
+    replicas = _replicas(server)
+    try:
+        yield server
+    finally:
+        stop_server(server, check=False)
+    for pid in replicas:  # the router drained them on its way out
+        assert session_gone(pid)
+
+
+def _replicas(server) -> list[int]:
+    children = subprocess.run(
+        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.process.pid)],
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
+    pids = [int(line.split()[0]) for line in children if "actors.app.cli serve" in line]
+    assert len(pids) == 2, children
+    return pids
+
+
+def _complete(server, prompt: str, **extra) -> dict:
+    resp = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra},
+        headers=server.auth,
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _cached(answer: dict) -> int:
+    details = answer["usage"].get("prompt_tokens_details") or {}
+    return details.get("cached_tokens") or 0
+
+
+def _routed(server) -> dict[tuple[str, str], float]:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=5).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvactor_router_routed_total{"):
+            labels, value = line.split("} ")
+            fields = dict(part.split("=") for part in labels.split("{")[1].split(","))
+            out[(fields["replica"].strip('"'), fields["reason"].strip('"'))] = float(value)
+    return out
+
+
+def test_a_sessions_turns_stay_on_its_replica(router):
+    resp = httpx.post(f"{router.base_url}/v1/sessions", json={}, headers=router.auth, timeout=30)
+    assert resp.status_code == 200, resp.text
+    sid = resp.json()["id"]
+    history = natural_text()[:600]
+    for turn in range(3):
+        history += f" Turn {turn}: more of the story follows here."
+        answer = _complete(router, history, session_id=sid)
+        if turn:
+            assert _cached(answer) > 100, answer["usage"]  # its history was on that replica
+        history += answer["choices"][0]["text"]
+    routed = _routed(router)
+    sessions = {replica: n for (replica, reason), n in routed.items() if reason == "session"}
+    assert list(sessions.values()) == [3.0], routed  # every turn, one replica
+
+
+def test_a_repeated_long_prefix_lands_where_it_is_cached(router):
+    shared = natural_text()[2000:4000]
+    first = _complete(router, shared + " First question: who?")
+    _complete(router, natural_text()[6000:6100])  # another prompt (least load: the other)
+    second = _complete(router, shared + " Second question: why?")
+    assert _cached(first) < 100
+    assert _cached(second) > 300, second["usage"]
+    assert any(reason == "prefix" for _, reason in _routed(router))
+
+
+def test_a_dead_replica_leaves_the_other_serving(router):
+    replicas = _replicas(router)
+    os.killpg(replicas[1], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while (health := httpx.get(f"{router.base_url}/health", timeout=5)).json()["status"] != (
+        "degraded"
+    ):
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.25)
+    assert health.status_code == 200 and len(health.json()["down"]) == 1
+    for i in range(3):  # every request goes to the replica left
+        assert _complete(router, f"After the loss, request {i}:")["choices"][0]["text"]
+
+
+def test_a_router_in_front_of_engines_started_elsewhere():
+    engine = start_server()
+    dead = f"http://127.0.0.1:{pick_free_tcp_port()}"  # nobody serves there
+    port = pick_free_tcp_port()
+    router = subprocess.Popen(
+        [sys.executable, "-m", "actors.app.cli", "serve", "--role", "router", "--port", str(port)]
+        + ["--replica", engine.base_url, "--replica", dead],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                health = httpx.get(f"{base}/health", timeout=2)
+                if health.json().get("status") == "degraded":
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.25)
+        assert health.status_code == 200 and health.json()["down"] == [dead]
+        resp = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0},
+            headers=engine.auth,  # the engine's own API key passes through the router
+            timeout=60,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 3
+        unauthorized = httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, timeout=60)
+        assert unauthorized.status_code == 401
+    finally:
+        router.send_signal(signal.SIGTERM)
+        router.wait(timeout=30)
+        stop_server(engine)
