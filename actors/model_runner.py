@@ -17,6 +17,7 @@ that step's requests; the runner serves on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import os
@@ -137,6 +138,7 @@ class ModelRunnerActor(Actor):
         self.tp_cores: list[list[int]] = []
         self.tp_placement = ""
         self._stopping = False  # on_stop ran: a load still starting ranks stops them
+        self._admitting = None  # transport.rendezvous.Admission while other nodes join
         if self.tp > 1:
             compile, cuda_graphs, store_dir = self._tensor_parallel_settings(quantization, threads)
         self.requested_compile = compile  # settled with the weights' layout (`_load`)
@@ -231,13 +233,16 @@ class ModelRunnerActor(Actor):
             raise TensorParallelError(self.tp_group.broken)
 
     async def on_stop(self) -> None:
+        self._stopping = True
+        if self._admitting is not None:
+            self._admitting.cancel()
+        self._say_stop_to_ranks()  # on the worker thread, so before it goes
         self._worker.shutdown(wait=False, cancel_futures=True)
         # The weights and the KV pool go now, not at the next full garbage collection (which
         # large tensors never trigger): the actor and its cell reference each other, and so
         # does the LM head with its chosen kernels, so without this a stopped runner's
         # gigabytes stay (a restarted runner loads beside them; engines made one after
         # another in a process pile up).
-        self._stopping = True
         self.executor = None
         self.sampler = None
         if self._ranks:
@@ -308,6 +313,16 @@ class ModelRunnerActor(Actor):
             if grammar_available():
                 threading.Thread(target=self._grammar_engine, daemon=True).start()
 
+    def _say_stop_to_ranks(self) -> None:
+        """Tell every rank (other machines' too) the group is over, on the compute thread
+        (the group's only user) and within a second; a rank not told notices the group's
+        sockets closing."""
+        group = self.tp_group
+        if group is None or group.broken:
+            return
+        with contextlib.suppress(Exception):
+            self._worker.submit(group.send, ("stop", ())).result(timeout=1.0)
+
     def _pool_shape(self) -> dict:
         return dict(
             num_pages=self.num_pages,
@@ -338,6 +353,7 @@ class ModelRunnerActor(Actor):
             threads=self.threads,
             world=self.tp,
             cores=self.tp_cores,
+            join_timeout_s=self.join_timeout_s,
             **self._pool_shape(),
         )
         if self.tp_cores[0]:
@@ -347,7 +363,13 @@ class ModelRunnerActor(Actor):
         if self.nnodes > 1:
             admit, settings.host = self._admission()
         here = range(1, self.tp // self.nnodes)
-        self.tp_group, _ = launch(settings, self._ranks, local_ranks=here, admit=admit)
+        try:
+            self.tp_group, _ = launch(settings, self._ranks, local_ranks=here, admit=admit)
+        except BaseException:
+            if self._admitting is not None:
+                self._admitting.cancel()  # its thread gives up and closes it, or:
+                self._admitting.close_unless_admitting()
+            raise
         if self._stopping:  # the actor stopped while the ranks started
             stop_ranks(self._ranks)
             raise RuntimeError("the runner stopped while its ranks started")
@@ -374,15 +396,25 @@ class ModelRunnerActor(Actor):
         from transport.security import read_curve_secret
 
         admission = Admission(self.dist_init_addr, read_curve_secret(self.curve_secret_file))
-        per_node = self.tp // self.nnodes
+        self._admitting = admission  # a failed launch or a stop cancels it
+
+        def answer(hello: dict) -> dict:
+            theirs = (hello.get("world"), hello.get("nnodes"))
+            if theirs != (self.tp, self.nnodes):
+                raise ValueError(
+                    f"node {hello['node_rank']} has tensor_parallel_size, nnodes = {theirs}; "
+                    f"node 0 has {(self.tp, self.nnodes)}"
+                )
+            return {"settings": dataclasses.asdict(settings_now[0])}
+
+        settings_now: list = []
 
         def admit(settings) -> None:
+            settings_now.append(settings)
+            admission.started = True
             try:
-                admission.admit(
-                    set(range(1, self.nnodes)),
-                    lambda node: {"settings": dataclasses.asdict(settings), "per_node": per_node},
-                    time.monotonic() + self.join_timeout_s,
-                )
+                deadline = time.monotonic() + self.join_timeout_s
+                admission.admit(set(range(1, self.nnodes)), answer, deadline)
             finally:
                 admission.close()
 

@@ -9,15 +9,16 @@ Each request goes to one replica, by these rules in order:
      prefix is more than half the prompt (the replica's prefix cache likely holds it) and
      that replica is not far busier than the least busy one; else to the least busy
      replica (fewest requests in flight). This is SGLang's cache-aware policy: the router
-     keeps, per replica, the prompts it sent there (an approximation of that replica's
-     radix tree, not the tree itself);
+     keeps, per replica, the prefixes of the prompts it sent there (chained hashes of
+     64-character blocks: an approximation of that replica's radix tree, not the tree);
   4. `POST /v1/sessions` opens the session on the least busy replica.
-A replica is polled (`/health`) every second; one that fails is taken out (the rules
+A replica is polled (`/health`) every second; one that fails it is taken out (the rules
 skip it) until it answers again, and `/health` here says "degraded" (200) while at least
 one replica serves, 503 when none does. A request whose replica fails before answering
-gets 503 `replica_unavailable`; a stream cut mid-way ends with an error event and
-`[DONE]`. `/metrics` has the router's own figures per replica; each replica's own
-`/metrics` stays on the replica.
+gets 503 `replica_unavailable` (a connection gone stale is retried once first); a stream
+cut mid-way ends with an error event and `[DONE]`. A client that leaves closes the
+replica's connection, so the replica aborts the request. `/metrics` has the router's own
+figures per replica; each replica's own `/metrics` stays on the replica.
 """
 
 from __future__ import annotations
@@ -35,13 +36,43 @@ from actors.runtime.logging import get_logger
 _log = get_logger("router")
 
 HEALTH_EVERY_S = 1.0
-MAX_BODY_BYTES = 64 << 20
 TEXTS_PER_REPLICA = 1024  # prompts remembered per replica (the cache-aware policy's record)
 TEXT_CHARS = 16384  # of each, the first this many characters
+PREFIX_BLOCK = 64  # characters per block of that record
 CACHE_THRESHOLD = 0.5  # a prefix longer than this share of the prompt routes by cache
 BALANCE_ABS = 16  # ... unless that replica has this many more requests in flight
 MAX_REMEMBERED_IDS = 100_000  # sessions and responses mapped to their replica
+NO_REPLICA = "no replica is serving"
+# Hop-by-hop and framing headers: the router frames each side itself.
+_REQUEST_DROPPED = {
+    b"host",
+    b"content-length",
+    b"connection",
+    b"keep-alive",
+    b"transfer-encoding",
+    b"te",
+    b"upgrade",
+    b"expect",
+}
+_RESPONSE_DROPPED = {
+    b"content-length",
+    b"transfer-encoding",
+    b"connection",
+    b"keep-alive",
+    b"date",
+    b"server",
+}
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"]+)"')
+
+
+def block_hashes(text: str) -> list[int]:
+    """Chained hashes of `text`'s whole PREFIX_BLOCK-character blocks: entry k stands for
+    the prefix text[: (k + 1) * PREFIX_BLOCK]."""
+    out, prev = [], 0
+    for start in range(0, len(text) - PREFIX_BLOCK + 1, PREFIX_BLOCK):
+        prev = hash((prev, text[start : start + PREFIX_BLOCK]))
+        out.append(prev)
+    return out
 
 
 @dataclass
@@ -50,22 +81,36 @@ class Replica:
     up: bool = False
     in_flight: int = 0
     routed: dict[str, int] = field(default_factory=dict)  # reason -> requests
-    texts: deque = field(default_factory=lambda: deque(maxlen=TEXTS_PER_REPLICA))
+    # The prefixes of the last TEXTS_PER_REPLICA prompts sent here, as block hashes with
+    # reference counts (a prompt leaving the record takes its counts away).
+    recent: deque = field(default_factory=deque)
+    prefixes: dict[int, int] = field(default_factory=dict)
 
-    def matched(self, text: str) -> int:
-        """The longest prefix of `text` this replica was sent (characters)."""
-        return max((_common_prefix(text, t) for t in self.texts), default=0)
+    def matched(self, hashes: list[int]) -> int:
+        """How many leading blocks of a prompt (its `block_hashes`) were sent here."""
+        lo, hi = 0, len(hashes)
+        while lo < hi:  # the blocks held are closed under prefixes: binary search
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in self.prefixes:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
+    def record(self, hashes: list[int]) -> None:
+        self.recent.append(hashes)
+        for h in hashes:
+            self.prefixes[h] = self.prefixes.get(h, 0) + 1
+        if len(self.recent) > TEXTS_PER_REPLICA:
+            for h in self.recent.popleft():
+                left = self.prefixes[h] - 1
+                if left:
+                    self.prefixes[h] = left
+                else:
+                    del self.prefixes[h]
 
-def _common_prefix(a: str, b: str) -> int:
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:  # binary search on slices: C-speed comparisons
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    def total(self) -> int:
+        return sum(self.routed.values())
 
 
 def prompt_text(body: dict) -> str:
@@ -87,19 +132,32 @@ class _Bounded(OrderedDict):
             self.popitem(last=False)
 
 
+class _ClientLeft(Exception):
+    pass
+
+
 class Router:
     """An ASGI app proxying to `urls` (each a replica's base URL)."""
 
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], max_body_bytes: int = 2 << 20) -> None:
         self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        self.max_body_bytes = max_body_bytes
         self.sessions = _Bounded()  # session id -> replica index
         self.responses = _Bounded()  # response id -> replica index
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        # No pool limit (each replica bounds its own queue) and idle connections dropped
+        # well before a replica's keep-alive timeout closes them under a request.
+        limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits)
+        self.probes = httpx.AsyncClient(timeout=2.0)  # health checks never queue behind work
 
     # ---- choosing --------------------------------------------------------------------
 
-    def choose(self, method: str, path: str, body: dict) -> tuple[int | None, str]:
-        """(replica index, reason); None: no replica for it (the reason says why)."""
+    def choose(
+        self, method: str, path: str, body: dict, hashes: list[int] | None = None
+    ) -> tuple[int | None, int, str]:
+        """(replica index, status, reason): the status is 200 when a replica is chosen,
+        else the answer's (404: an unknown session or response, 503: no replica for it).
+        `hashes`: the prompt's `block_hashes` (computed here when not given)."""
         parts = path.strip("/").split("/")
         if parts[:2] == ["v1", "sessions"] and len(parts) >= 3:
             return self._pinned(self.sessions, parts[2], "session")
@@ -111,27 +169,26 @@ class Router:
             return self._pinned(self.responses, body["previous_response_id"], "response")
         up = [i for i, r in enumerate(self.replicas) if r.up]
         if not up:
-            return None, "no replica is serving"
-        least = min(
-            up, key=lambda i: (self.replicas[i].in_flight, sum(self.replicas[i].routed.values()))
-        )
-        text = prompt_text(body)
-        if method == "POST" and text:
-            best = max(up, key=lambda i: self.replicas[i].matched(text))
-            share = self.replicas[best].matched(text) / len(text)
+            return None, 503, NO_REPLICA
+        least = min(up, key=lambda i: (self.replicas[i].in_flight, self.replicas[i].total()))
+        if hashes is None:
+            hashes = block_hashes(prompt_text(body))
+        if method == "POST" and hashes:
+            held = {i: self.replicas[i].matched(hashes) for i in up}
+            best = max(up, key=held.__getitem__)
             busier = self.replicas[best].in_flight - self.replicas[least].in_flight
-            if share > CACHE_THRESHOLD and busier <= BALANCE_ABS:
-                return best, "prefix"
-        return least, "least_load"
+            if held[best] / len(hashes) > CACHE_THRESHOLD and busier <= BALANCE_ABS:
+                return best, 200, "prefix"
+        return least, 200, "least_load"
 
-    def _pinned(self, ids: _Bounded, key: str, kind: str) -> tuple[int | None, str]:
+    def _pinned(self, ids: _Bounded, key: str, kind: str) -> tuple[int | None, int, str]:
         index = ids.get(key)
         if index is None:
-            return None, f"no {kind} {key} was opened through this router"
+            return None, 404, f"no {kind} {key} was opened through this router"
         if not self.replicas[index].up:
-            return None, f"the replica holding {kind} {key} is down"
+            return None, 503, f"the replica holding {kind} {key} is down"
         ids.move_to_end(key)
-        return index, kind
+        return index, 200, kind
 
     # ---- serving ---------------------------------------------------------------------
 
@@ -146,7 +203,10 @@ class Router:
         if path == "/metrics":
             await _respond(send, 200, self.metrics_text().encode(), b"text/plain; version=0.0.4")
             return
-        raw = await _read_body(receive)
+        try:
+            raw = await _read_body(receive, self.max_body_bytes)
+        except _ClientLeft:
+            return
         if raw is None:
             await _error(send, 413, "the body is too large", "body_too_large")
             return
@@ -155,75 +215,112 @@ class Router:
         except ValueError:
             body = {}
         body = body if isinstance(body, dict) else {}
-        index, reason = self.choose(method, path, body)
+        hashes = block_hashes(prompt_text(body))
+        index, status, reason = self.choose(method, path, body, hashes)
         if index is None:
-            status = 503 if "serving" in reason or "down" in reason else 404
-            await _error(
-                send, status, reason, "replica_unavailable" if status == 503 else "not_found"
-            )
+            code = "not_found" if status == 404 else "replica_unavailable"
+            await _error(send, status, reason, code)
             return
-        await self._proxy(index, reason, scope, raw, body, send)
-
-    async def _proxy(self, index, reason, scope, raw, body, send) -> None:
         replica = self.replicas[index]
         replica.routed[reason] = replica.routed.get(reason, 0) + 1
-        if reason in ("prefix", "least_load") and (text := prompt_text(body)):
-            replica.texts.append(text)
-        query = scope.get("query_string", b"").decode()
-        url = replica.url + scope["path"] + (f"?{query}" if query else "")
-        headers = [
-            (k.decode(), v.decode())
-            for k, v in scope["headers"]
-            if k.lower() not in (b"host", b"content-length", b"connection")
-        ]
+        if reason in ("prefix", "least_load") and hashes:
+            replica.record(hashes)
         replica.in_flight += 1
-        started = False
         try:
-            request = self.client.build_request(scope["method"], url, headers=headers, content=raw)
-            upstream = await self.client.send(request, stream=True)
+            # The client leaving cancels the proxying: the replica's connection closes, and
+            # the replica aborts the request (as for a client of its own).
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                async def proxy() -> None:
+                    await self._proxy(index, scope, raw, send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                tg.start_soon(proxy)
+        finally:
+            replica.in_flight -= 1
+
+    async def _proxy(self, index: int, scope, raw: bytes, send) -> None:
+        replica = self.replicas[index]
+        target = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string", b"")
+        url = (
+            replica.url
+            + target.decode("latin-1")
+            + (f"?{query.decode('latin-1')}" if query else "")
+        )
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _REQUEST_DROPPED]
+        started = streaming = False
+        try:
+            upstream = await self._send(scope["method"], url, headers, raw)
             try:
                 kept = [
-                    (k.encode(), v.encode())
-                    for k, v in upstream.headers.items()
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection")
+                    (k, v) for k, v in upstream.headers.raw if k.lower() not in _RESPONSE_DROPPED
                 ]
+                streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
                 await send(
                     {"type": "http.response.start", "status": upstream.status_code, "headers": kept}
                 )
                 started = True
-                head = b""
+                head, seen = b"", False
                 async for chunk in upstream.aiter_raw():
-                    if len(head) < 8192:
-                        head += chunk[: 8192 - len(head)]
+                    if not seen and upstream.status_code == 200:
+                        head = (head + chunk)[:8192]
+                        seen = self._remember(index, scope, head, complete=False)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if not seen and upstream.status_code == 200:
+                    self._remember(index, scope, head, complete=True)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-                if upstream.status_code == 200:
-                    self._remember(index, scope, head)
             finally:
                 await upstream.aclose()
         except httpx.HTTPError as exc:
             _log.warning("replica failed a request", replica=replica.url, error=str(exc))
-            replica.up = False  # until its next health check says otherwise
             message = f"replica {index} ({replica.url}) failed: {exc}"
             if not started:
                 await _error(send, 503, message, "replica_unavailable")
-            else:  # a stream cut mid-way: an error event, then the end
+            elif streaming:  # a stream cut mid-way: an error event, then the end
                 event = json.dumps({"error": {"message": message, "type": "replica_unavailable"}})
                 tail = f"data: {event}\n\ndata: [DONE]\n\n".encode()
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
-        finally:
-            replica.in_flight -= 1
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    def _remember(self, index: int, scope, head: bytes) -> None:
-        """Sessions opened and responses stored through this router stay on their replica."""
+    async def _send(self, method: str, url: str, headers, raw: bytes) -> httpx.Response:
+        """The replica's response (streamed); a connection that went stale while idle is
+        retried once on a fresh one (nothing was sent to the replica's app)."""
+        for attempt in (1, 2):
+            request = self.client.build_request(method, url, headers=headers, content=raw)
+            try:
+                return await self.client.send(request, stream=True)
+            except httpx.RemoteProtocolError as exc:  # closed before any response byte
+                if attempt == 2:
+                    raise
+                _log.info("stale connection, retrying once", url=url, error=str(exc))
+        raise AssertionError("unreachable")
+
+    def _remember(self, index: int, scope, head: bytes, complete: bool) -> bool:
+        """Record a session opened or a response stored through this router, as soon as
+        its id has passed; True once recorded (or nothing is to be)."""
         path = scope["path"].rstrip("/")
         if path == "/v1/sessions" and scope["method"] == "POST":
+            if not complete:
+                return False
             try:
                 self.sessions.remember(json.loads(head)["id"], index)
             except (ValueError, KeyError, TypeError):
                 pass
-        elif path == "/v1/responses" and (found := _RESPONSE_ID.search(head)):
-            self.responses.remember(found.group(1).decode(), index)
+            return True
+        if path == "/v1/responses" and scope["method"] == "POST":
+            found = _RESPONSE_ID.search(head)
+            if found:
+                self.responses.remember(found.group(1).decode(), index)
+            return bool(found) or complete
+        return True
 
     async def _health(self, send) -> None:
         down = [r.url for r in self.replicas if not r.up]
@@ -245,7 +342,7 @@ class Router:
 
     async def _check(self, replica: Replica) -> None:
         try:
-            up = (await self.client.get(replica.url + "/health", timeout=2.0)).status_code == 200
+            up = (await self.probes.get(replica.url + "/health")).status_code == 200
         except httpx.HTTPError:
             up = False
         if up != replica.up:
@@ -261,28 +358,21 @@ class Router:
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     tg.cancel_scope.cancel()
-                    await self.client.aclose()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+                    break
+        with anyio.CancelScope(shield=True):
+            await self.client.aclose()
+            await self.probes.aclose()
+            await send({"type": "lifespan.shutdown.complete"})
 
     def metrics_text(self) -> str:
         from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
         registry = CollectorRegistry()
-        up = Gauge(
-            "kvactor_router_replica_up",
-            "1 while the replica serves",
-            ["replica"],
-            registry=registry,
-        )
-        busy = Gauge(
-            "kvactor_router_replica_in_flight", "requests in flight", ["replica"], registry=registry
-        )
+        labels = ["replica"]
+        up = Gauge("kvactor_router_replica_up", "1 while it serves", labels, registry=registry)
+        busy = Gauge("kvactor_router_replica_in_flight", "in flight", labels, registry=registry)
         routed = Counter(
-            "kvactor_router_routed",
-            "requests sent, by rule",
-            ["replica", "reason"],
-            registry=registry,
+            "kvactor_router_routed", "sent, by rule", [*labels, "reason"], registry=registry
         )
         for r in self.replicas:
             up.labels(r.url).set(int(r.up))
@@ -292,34 +382,25 @@ class Router:
         return generate_latest(registry).decode()
 
 
-async def _read_body(receive) -> bytes | None:
+async def _read_body(receive, limit: int) -> bytes | None:
+    """The whole body; None past `limit` bytes; _ClientLeft when the client leaves first."""
     chunks, size = [], 0
     while True:
         message = await receive()
-        if message["type"] != "http.request":
-            return b"".join(chunks)
+        if message["type"] == "http.disconnect":
+            raise _ClientLeft
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
+        if size > limit:
             return None
         chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)
 
 
-async def _respond(
-    send, status: int, body: bytes, content_type: bytes = b"application/json"
-) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", content_type),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
+async def _respond(send, status: int, body: bytes, kind: bytes = b"application/json") -> None:
+    headers = [(b"content-type", kind), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

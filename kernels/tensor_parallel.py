@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -77,9 +78,11 @@ class TpGroup:
         self.broken: str | None = None  # why a collective failed; the group is then unusable
 
     @classmethod
-    def join(cls, host: str, port: int, rank: int, world: int) -> TpGroup:
+    def join(
+        cls, host: str, port: int, rank: int, world: int, timeout: datetime.timedelta | None = None
+    ) -> TpGroup:
         """Join the group whose rendezvous rank 0 serves at host:port."""
-        store = dist.TCPStore(host, port, world, False, timeout=JOIN_TIMEOUT)
+        store = dist.TCPStore(host, port, world, False, timeout=timeout or JOIN_TIMEOUT)
         return cls(gloo_group(store, rank, world, host), rank, world)
 
     def _guard(self, what: str, fn):
@@ -389,6 +392,7 @@ class RankSettings:
     cores: list[list[int]]  # per rank: the cores it is pinned to ([] = not pinned)
     host: str = "127.0.0.1"  # rank 0's rendezvous
     port: int = 0
+    join_timeout_s: float = JOIN_TIMEOUT.total_seconds()  # the group forms within this
 
 
 def numa_nodes(cores: list[int]) -> list[list[int]]:
@@ -445,8 +449,9 @@ def launch(
     `admit(settings)`, run in a thread of its own with the settings as final (the store's
     port), lets other machines' ranks in; it raising fails the launch. A rank that exits
     before the group forms fails the launch at once, naming it."""
+    wait = datetime.timedelta(seconds=settings.join_timeout_s)
     store = dist.TCPStore(
-        settings.host, 0, settings.world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False
+        settings.host, 0, settings.world, True, timeout=wait, wait_for_workers=False
     )
     settings = dataclasses.replace(settings, port=store.port)
     processes = [] if processes is None else processes  # the caller's list sees each start
@@ -500,7 +505,27 @@ def start_rank_processes(
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, settings.threads)))
     command = [sys.executable, "-m", "kernels.tensor_parallel"]
     for rank in ranks:
-        processes.append(subprocess.Popen([*command, str(rank), blob], env=env))
+        processes.append(
+            subprocess.Popen(
+                [*command, str(rank), blob], env=env, preexec_fn=die_with_parent(signal.SIGKILL)
+            )
+        )
+
+
+def die_with_parent(signum: int):
+    """A `preexec_fn` that has the child get `signum` when its parent dies, however it dies
+    (Linux's PR_SET_PDEATHSIG; elsewhere nothing). Ranks get SIGKILL (they ignore SIGTERM,
+    the engine's drain), a router's replicas SIGTERM (their own drain)."""
+
+    def arm() -> None:
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    return arm
 
 
 def exited(processes: list[subprocess.Popen]) -> list[tuple[int, int]]:
@@ -565,8 +590,6 @@ def agreed_linear(requested: str, model: nn.Module, dtype: torch.dtype, group: T
 def worker_main(argv: list[str]) -> int:
     """A rank other than 0: join, build the shard, run rank 0's commands until it stops
     or the group breaks (then exit 1: rank 0 sees its sockets close)."""
-    import signal
-
     # A terminal's Ctrl-C or a service manager's SIGTERM to the whole group starts the
     # engine's drain; the ranks serve its last steps and go when rank 0 stops them or dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -576,7 +599,8 @@ def worker_main(argv: list[str]) -> int:
     if cores:
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(max(1, settings.threads))
-    group = TpGroup.join(settings.host, settings.port, rank, settings.world)
+    wait = datetime.timedelta(seconds=settings.join_timeout_s)
+    group = TpGroup.join(settings.host, settings.port, rank, settings.world, wait)
     _, executor = build_rank(settings, group)
     try:
         while True:

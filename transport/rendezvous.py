@@ -55,6 +55,8 @@ class Admission:
     def __init__(self, address: str, secret: bytes) -> None:
         host, port = split_address(address)
         self.address = address
+        self.cancelled = False
+        self.started = False  # an `admit` took it over (and closes it when done)
         self.context = zmq.Context()
         self.auth = ThreadAuthenticator(self.context)
         self.auth.start()
@@ -77,15 +79,20 @@ class Admission:
 
     def admit(self, nodes: set[int], answer, deadline: float) -> None:
         """Answer hellos until every node rank in `nodes` has been admitted once (a node
-        asking again, after a restart of its ranks, is answered too); `answer(node_rank)`
-        is the dict it gets. RendezvousError when `deadline` (time.monotonic) passes."""
+        asking again, after a restart of its ranks, is answered too); `answer(hello)` is
+        the dict a node gets (a ValueError from it: the node is refused with its message).
+        RendezvousError when `deadline` (time.monotonic) passes or `cancel()` is called."""
         waiting = set(nodes)
         while waiting:
+            if self.cancelled:
+                raise RendezvousError(f"admission at {self.address} cancelled")
             left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not self.socket.poll(left_ms):
+            if left_ms <= 0:
                 raise RendezvousError(
                     f"node(s) {sorted(waiting)} did not join at {self.address} in time"
                 )
+            if not self.socket.poll(min(left_ms, 200)):
+                continue
             try:
                 hello = json.loads(self.socket.recv())
                 node = int(hello["node_rank"])
@@ -95,8 +102,22 @@ class Admission:
             if node not in nodes:
                 self.socket.send(json.dumps({"error": f"no node rank {node} here"}).encode())
                 continue
-            self.socket.send(json.dumps(answer(node)).encode())
+            try:
+                reply = answer(hello)
+            except ValueError as exc:
+                self.socket.send(json.dumps({"error": str(exc)}).encode())
+                continue
+            self.socket.send(json.dumps(reply).encode())
             waiting.discard(node)
+
+    def close_unless_admitting(self) -> None:
+        """Close now unless `admit` runs in a thread (it closes on its way out)."""
+        if not self.started:
+            self.close()
+
+    def cancel(self) -> None:
+        """Make a running `admit` give up within its next poll (any thread may call it)."""
+        self.cancelled = True
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -105,12 +126,17 @@ class Admission:
 
 
 def request_admission(
-    address: str, secret: bytes, node_rank: int, wait_s: float, cancelled=lambda: False
+    address: str,
+    secret: bytes,
+    node_rank: int,
+    wait_s: float,
+    cancelled=lambda: False,
+    about: dict | None = None,
 ) -> dict | None:
     """A node's side: its settings from node 0 at `address`. Waits up to `wait_s` for node
     0 to listen there, then HANDSHAKE_TIMEOUT_S for its answer; RendezvousError naming
     the address (nothing listens) or the key (no answer through CURVE). None once
-    `cancelled()` while it waits."""
+    `cancelled()` while it waits. `about`: more of the node's settings for node 0 to check."""
     host, port = split_address(address)
     deadline = time.monotonic() + wait_s
     while True:
@@ -134,7 +160,7 @@ def request_admission(
         sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         sock.connect(f"tcp://{host}:{port}")
-        sock.send(json.dumps({"node_rank": node_rank}).encode())
+        sock.send(json.dumps({"node_rank": node_rank, **(about or {})}).encode())
         if not sock.poll(int(HANDSHAKE_TIMEOUT_S * 1000)):
             raise RendezvousError(
                 f"{address} does not answer through CURVE within {HANDSHAKE_TIMEOUT_S:.0f} s: "

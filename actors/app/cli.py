@@ -208,7 +208,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
 def serve_parser() -> argparse.ArgumentParser:
     """A parser of `bin/engine serve`'s arguments alone (for checks of commands written
     elsewhere, e.g. the Kubernetes example's)."""
-    parser = argparse.ArgumentParser(prog="bin/engine serve")
+    parser = argparse.ArgumentParser(prog="bin/engine serve", allow_abbrev=False)
     add_serve_arguments(parser)
     return parser
 
@@ -220,11 +220,14 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.argv = ["bin/engine gpu-check", *argv[1:]]
         return gpu_check()
-    parser = argparse.ArgumentParser(prog="bin/engine", description="kvactor LLM serving engine")
+    parser = argparse.ArgumentParser(
+        prog="bin/engine", description="kvactor LLM serving engine", allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     serve = sub.add_parser(
         "serve",
+        allow_abbrev=False,
         help="OpenAI-compatible HTTP server (+ ZeroMQ endpoint)",
         description="Serve MODEL over an OpenAI-compatible HTTP API. Flags mean what vLLM's do.",
     )
@@ -384,10 +387,19 @@ def _router(args, argv: list[str]) -> int | None:
     if args.role == "router":
         if not args.replica:
             raise SystemExit("bin/engine: --role router needs --replica URL (one or more)")
+    elif args.replica:
+        raise SystemExit("bin/engine: --replica is for --role router")
     elif cfg.parallel.data_parallel_size == 1:
-        if args.replica:
-            raise SystemExit("bin/engine: --replica is for --role router")
         return None
+    if args.zmq:
+        print(
+            "bin/engine: warning: --zmq ignored: the router serves HTTP only (each replica's "
+            "ZeroMQ endpoint is off)",
+            file=sys.stderr,
+            flush=True,
+        )
+    for warning in exposure_warnings(cfg, None):
+        print(f"bin/engine: warning: {warning}", file=sys.stderr, flush=True)
     from actors.app.data_parallel import serve_router
 
     return serve_router(cfg, argv[1:], args.replica)

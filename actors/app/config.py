@@ -213,6 +213,10 @@ class ParallelSection(_Section):
             ),
             (self.join_timeout_s > 0, "parallel.join_timeout_s must be > 0"),
             (self.data_parallel_size >= 1, "parallel.data_parallel_size must be >= 1"),
+            (
+                self.data_parallel_size == 1 or one,
+                "parallel.data_parallel_size > 1 runs on one machine: nnodes must be 1",
+            ),
         ]
 
 

@@ -13,6 +13,7 @@ router` the replicas are engines started elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import httpx
 
 from actors.app.config import EngineConfig
 from actors.runtime.logging import get_logger
+from kernels.tensor_parallel import die_with_parent
 
 _log = get_logger("data_parallel")
 
@@ -43,19 +45,23 @@ def replica_argv(argv: list[str], port: int) -> list[str]:
             skip = "=" not in arg
             continue
         out.append(arg)
-    return [*out, "--host", "127.0.0.1", "--port", str(port)]
+    # The flag beats --set, the environment and the config file: a replica never routes.
+    return [*out, "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "1"]
 
 
 def start_replicas(cfg: EngineConfig, argv: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
     count = cfg.parallel.data_parallel_size
     threads = max(1, len(os.sched_getaffinity(0)) // count)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env.pop("KVACTOR_PARALLEL_DATA_PARALLEL_SIZE", None)
     processes, urls = [], []
     for i in range(count):
         port = cfg.server.port + 1 + i
         cmd = [sys.executable, "-m", "actors.app.cli", "serve", *replica_argv(argv, port)]
         processes.append(
-            subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_drain_with_parent)
+            subprocess.Popen(
+                cmd, env=env, start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM)
+            )
         )
         urls.append(f"http://127.0.0.1:{port}")
     _log.info("replicas starting", replicas=urls, threads_each=threads)
@@ -81,28 +87,18 @@ def start_replicas(cfg: EngineConfig, argv: list[str]) -> tuple[list[subprocess.
     return processes, urls
 
 
-def _drain_with_parent() -> None:
-    """In a replica before it runs: SIGTERM it (a drain) when the router's process dies,
-    however it dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def stop_replicas(processes: list[subprocess.Popen]) -> None:
     """SIGTERM each (they drain), then wait; kill what is left after DRAIN_WAIT_S."""
     for p in processes:
-        if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + DRAIN_WAIT_S
     for p in processes:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
             p.wait()
 
 
@@ -110,20 +106,33 @@ def serve_router(cfg: EngineConfig, argv: list[str], urls: list[str]) -> int:
     """Run the router (starting the replicas first unless `urls` names them)."""
     import uvicorn
 
+    from actors.frontends.http.app import MAX_BODY_BYTES
+    from actors.frontends.http.protocol import guarded_h11_protocol
     from actors.router import Router
 
     processes: list[subprocess.Popen] = []
     if not urls:
         processes, urls = start_replicas(cfg, argv)
     try:
-        router = Router(urls)
+        router = Router(urls, max_body_bytes=MAX_BODY_BYTES)
         print(
             f"kvactor router on http://{cfg.server.host}:{cfg.server.port} "
             f"in front of {', '.join(urls)}",
             file=sys.stderr,
             flush=True,
         )
-        uvicorn.run(router, host=cfg.server.host, port=cfg.server.port, log_level="warning")
+        srv = cfg.server
+        uvicorn.run(
+            router,
+            host=srv.host,
+            port=srv.port,
+            log_level="warning",
+            # the engine's own HTTP limits: a head within header_timeout_s, at most
+            # max_connections open, idle keep-alive connections closed
+            http=guarded_h11_protocol(srv.header_timeout_s, srv.max_connections),
+            timeout_keep_alive=max(1, round(srv.keepalive_timeout_s)),
+            limit_concurrency=srv.max_connections,
+        )
     finally:
         stop_replicas(processes)
     return 0

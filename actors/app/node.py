@@ -46,7 +46,12 @@ def serve_node(cfg: EngineConfig) -> int:
     while not stopping.is_set():
         try:
             reply = request_admission(
-                par.dist_init_addr, secret, par.node_rank, par.join_timeout_s, stopping.is_set
+                par.dist_init_addr,
+                secret,
+                par.node_rank,
+                par.join_timeout_s,
+                stopping.is_set,
+                about={"world": par.tensor_parallel_size, "nnodes": par.nnodes},
             )
         except RendezvousError as exc:
             print(f"bin/engine: node {par.node_rank}: {exc}", file=sys.stderr, flush=True)

@@ -1,7 +1,8 @@
 """The Kubernetes example (docs/deploy/kubernetes.yaml) is valid against Kubernetes' own
 schemas (kubernetes-validate, strict: no unknown fields) and consistent with itself and the
-CLI: the router names every StatefulSet replica by its headless-Service DNS name, every
-probe asks /health on the container's port, and each command parses as `bin/engine serve`."""
+CLI: the router names every StatefulSet replica by its headless-Service DNS name, the
+probes ask the container's port (readiness: /health; the router's liveness: /metrics, so
+replicas being down never restarts it), and each command parses as `bin/engine serve`."""
 
 from __future__ import annotations
 
@@ -53,7 +54,11 @@ def test_probes_and_commands(resources):
         port = container["ports"][0]
         for probe in ("readinessProbe", "livenessProbe"):
             get = container[probe]["httpGet"]
-            assert get["path"] == "/health" and get["port"] == port["name"]
+            assert get["port"] == port["name"]
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        # a replica stuck is restarted; the router is alive whatever its replicas' state
+        live = "/metrics" if "router" in name else "/health"
+        assert container["livenessProbe"]["httpGet"]["path"] == live
         assert container["command"][:2] == ["bin/engine", "serve"]
         args = serve_parser().parse_args(container["command"][2:])
         assert args.port == port["containerPort"] and args.host == "0.0.0.0"

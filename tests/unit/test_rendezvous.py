@@ -41,7 +41,7 @@ def _serve(node0: Admission, nodes: set[int], seconds: float = 20.0) -> list:
     def run():
         try:
             deadline = time.monotonic() + seconds
-            node0.admit(nodes, lambda n: {"store_port": 1234, "node": n}, deadline)
+            node0.admit(nodes, lambda h: {"store_port": 1234, "node": h["node_rank"]}, deadline)
         except Exception as exc:
             errors.append(exc)
 
