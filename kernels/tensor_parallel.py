@@ -54,11 +54,21 @@ class TensorParallelError(RuntimeError):
     """A model or setting that cannot be split as asked; the message names the reason."""
 
 
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
 def gloo_group(store, rank: int, world: int, host: str):
     """A gloo process group whose ranks talk over this machine's interface towards the
     rendezvous `host` (loopback for the ranks of one machine), with COLLECTIVE_TIMEOUT."""
-    from transport.rendezvous import local_address_towards
-
     options = dist.ProcessGroupGloo._Options()
     device = dist.ProcessGroupGloo.create_device(hostname=local_address_towards(host))
     options._devices = [device]

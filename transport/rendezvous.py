@@ -174,13 +174,3 @@ def request_admission(
     if "error" in reply:
         raise RendezvousError(f"{address} refused node {node_rank}: {reply['error']}")
     return reply
-
-
-def local_address_towards(host: str) -> str:
-    """This machine's address on the route to `host` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((host, 9))
-            return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"

@@ -340,10 +340,12 @@ def _assert_completes(server: ServerHandle) -> None:
     assert resp.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_runner_killed_with_shutdown_policy_errors_every_client_and_exits_one():
-    server = start_server(extra=[*FAST, *MULTI_PROCESS])
+def _killed_under_load_exits_one(extra: list[str], victim) -> str:
+    """Kill `victim(server)` under load with the shutdown policy: every client hears an
+    error, the server exits 1 and leaves no process behind; its log tail."""
+    server = start_server(extra=extra)
     try:
-        streams, plain = anyio.run(_load_then_kill, server)
+        streams, plain = anyio.run(_load_then_kill, server, victim)
         code = server.process.wait(timeout=STOP_TIMEOUT_S)
     finally:
         stop_server(server, check=False)
@@ -353,7 +355,12 @@ def test_runner_killed_with_shutdown_policy_errors_every_client_and_exits_one():
     for resp in plain:
         assert resp.status_code == 503, resp.text
     assert code == 1, server.log_tail()
-    assert session_gone(server.process.pid)  # no orphan: the runner's group is gone too
+    assert session_gone(server.process.pid)  # no orphan: the runner's processes are gone too
+    return server.log_tail()
+
+
+def test_runner_killed_with_shutdown_policy_errors_every_client_and_exits_one():
+    _killed_under_load_exits_one([*FAST, *MULTI_PROCESS], _runner_pid)
 
 
 def test_runner_killed_with_restart_policy_serves_again():
@@ -396,20 +403,7 @@ TWO_RANKS = ["parallel.tensor_parallel_size=2"]
 
 
 def test_rank_killed_with_shutdown_policy_errors_every_client_and_exits_one():
-    server = start_server(extra=[*FAST, *TWO_RANKS])
-    try:
-        streams, plain = anyio.run(_load_then_kill, server, _rank_pid)
-        code = server.process.wait(timeout=STOP_TIMEOUT_S)
-    finally:
-        stop_server(server, check=False)
-    assert len(streams) == 4 and len(plain) == 2
-    for r in streams:
-        assert r.done and r.error is not None and r.finish_reason is None, r.events[-1:]
-    for resp in plain:
-        assert resp.status_code == 503, resp.text
-    assert code == 1, server.log_tail()
-    assert "tensor-parallel" in server.log_tail()
-    assert session_gone(server.process.pid)  # no orphan rank
+    assert "tensor-parallel" in _killed_under_load_exits_one([*FAST, *TWO_RANKS], _rank_pid)
 
 
 def test_rank_killed_with_restart_policy_serves_again():
