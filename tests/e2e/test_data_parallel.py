@@ -104,6 +104,33 @@ def test_a_repeated_long_prefix_lands_where_it_is_cached(router):
     assert any(reason == "prefix" for _, reason in _routed(router))
 
 
+def test_a_client_that_leaves_frees_its_replica(router):
+    """A stream dropped by its client after the first event: the router closes the
+    replica's connection (so the replica aborts), nothing stays in flight, and the next
+    client is served."""
+    body = {"model": MODEL_NAME, "prompt": "A long tale:", "max_tokens": 1500, "stream": True}
+    body["ignore_eos"] = True
+    with httpx.Client(timeout=60) as client:
+        with client.stream(
+            "POST", f"{router.base_url}/v1/completions", json=body, headers=router.auth
+        ) as resp:
+            assert resp.status_code == 200
+            next(resp.iter_lines())  # the first event, then the client leaves
+    deadline = time.monotonic() + 10  # far less than 1,500 tokens take
+    while True:
+        metrics = httpx.get(f"{router.base_url}/metrics", timeout=5).text
+        busy = [
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("kvactor_router_replica_in_flight{")
+        ]
+        if busy and sum(busy) == 0:
+            break
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.1)
+    assert _complete(router, "Still served:")["usage"]["completion_tokens"] == 4
+
+
 def test_a_dead_replica_leaves_the_other_serving(router):
     replicas = _replicas(router)
     os.killpg(replicas[1], signal.SIGKILL)
