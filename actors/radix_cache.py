@@ -8,10 +8,13 @@ may `PeekPrefix` (read-only) for longest-prefix-match scheduling.
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 
 from actors.runtime import Actor
 from kvcore import RadixTree
+from kvcore.prefix_digest import DIGEST_BLOCK, pack
 from transport.messages.radix import (
     EvictBlocks,
     EvictedBlocks,
@@ -23,6 +26,8 @@ from transport.messages.radix import (
     MatchReply,
     PeekPrefix,
     PeekReply,
+    TreeDigest,
+    TreeDigestRequest,
     TreeSnapshotReply,
     TreeSnapshotRequest,
     TreeStats,
@@ -41,10 +46,14 @@ class RadixCacheActor(Actor):
         | PeekPrefix
         | TreeStatsRequest
         | TreeSnapshotRequest
+        | TreeDigestRequest
     )
 
     def __init__(self, page_size: int) -> None:
         self.tree = RadixTree(page_size)
+        self._digest: TreeDigest | None = None  # the last one made (of its version)
+        # Digest versions of this process: a restarted tree never repeats an older one.
+        self._epoch = secrets.randbits(20) << 40
 
     async def handle(self, msg, sender):
         tree = self.tree
@@ -101,7 +110,24 @@ class RadixCacheActor(Actor):
                 protected_tokens=snap.protected_size,
                 alive=[a.tolist() for a in snap.alive],
             )
+        if isinstance(msg, TreeDigestRequest):
+            return self.digest(msg.since)
         raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def digest(self, since: int) -> TreeDigest:
+        """The tree's digest, made once per tree version (each router polls it)."""
+        version = self._epoch + self.tree.version
+        if since == version:
+            return TreeDigest(version=version, block_tokens=DIGEST_BLOCK, unchanged=True)
+        if self._digest is None or self._digest.version != version:
+            hashes, truncated = self.tree.digest(DIGEST_BLOCK)  # O(tokens held)
+            self._digest = TreeDigest(
+                version=version,
+                block_tokens=DIGEST_BLOCK,
+                hashes=pack(hashes),
+                truncated=truncated,
+            )
+        return self._digest
 
     def stats(self) -> dict[str, int | float]:
         return {

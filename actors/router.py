@@ -5,12 +5,17 @@ Each request goes to one replica, by these rules in order:
      to the replica that opened the session (its KV is there);
   2. a Responses follow-up (`previous_response_id`, `/v1/responses/{id}`) goes to the
      replica that stored that response;
-  3. any other request goes where its prompt's longest prefix was sent before, when that
-     prefix is more than half the prompt (the replica's prefix cache likely holds it) and
-     that replica is not far busier than the least busy one; else to the least busy
-     replica (fewest requests in flight). This is SGLang's cache-aware policy: the router
-     keeps, per replica, the prefixes of the prompts it sent there (chained hashes of
-     64-character blocks: an approximation of that replica's radix tree, not the tree);
+  3. any other request goes to the replica whose prefix cache holds the longest prefix of
+     its prompt, when that prefix is more than half the prompt and that replica is not far
+     busier than the least busy one; else to the least busy replica (fewest requests in
+     flight). The router reads each replica's own radix tree: every second, with the health
+     check, it fetches the tree's digest (`/cache_digest`: one 64-bit hash per cached
+     64-token prefix, sent again only when the tree changed), and it matches a prompt's
+     token ids (from a replica's `/tokenize`, the prompt as the engine renders it, under
+     its `cache_salt`) against each digest, adding the prompts it sent there since that
+     digest was made. Prompts it cannot tokenize so (the Responses and Anthropic APIs)
+     fall back to SGLang's approximate policy: the prefixes of the prompts sent to each
+     replica, as chained hashes of 64-character blocks of their text;
   4. `POST /v1/sessions` opens the session on the least busy replica.
 A replica is polled (`/health`) every second; one that fails it is taken out (the rules
 skip it) until it answers again, and `/health` here says "degraded" (200) while at least
@@ -23,15 +28,21 @@ figures per replica; each replica's own `/metrics` stays on the replica.
 
 from __future__ import annotations
 
+import base64
 import json
+import math
 import re
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import anyio
 import httpx
+import numpy as np
 
 from actors.runtime.logging import get_logger
+from kvcore.prefix_digest import DIGEST_BLOCK, matched_blocks, prefix_hashes, unpack
+from kvcore.salt import salted_tokens
 
 _log = get_logger("router")
 
@@ -41,6 +52,9 @@ TEXT_CHARS = 16384  # of each, the first this many characters
 PREFIX_BLOCK = 64  # characters per block of that record
 CACHE_THRESHOLD = 0.5  # a prefix longer than this share of the prompt routes by cache
 BALANCE_ABS = 16  # ... unless that replica has this many more requests in flight
+TOKENIZED_PATHS = ("/v1/completions", "/v1/chat/completions")  # matched in token ids
+TOKENIZE_TIMEOUT_S = 5.0
+MIN_TOKENIZED_CHARS = DIGEST_BLOCK  # shorter prompts hold no whole block: least load
 MAX_REMEMBERED_IDS = 100_000  # sessions and responses mapped to their replica
 NO_REPLICA = "no replica is serving"
 # Hop-by-hop and framing headers: the router frames each side itself.
@@ -75,39 +89,75 @@ def block_hashes(text: str) -> list[int]:
     return out
 
 
+class PrefixRecord:
+    """Prefixes sent to a replica: each prompt's chained block hashes, with reference
+    counts (a prompt leaving the record takes its counts away), oldest first."""
+
+    def __init__(self) -> None:
+        self.entries: deque = deque()  # [stamp, hashes]
+        self.counts: dict[int, int] = {}
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.counts
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def record(self, hashes: list[int], stamp: float = 0.0) -> list:
+        """Add a prompt's hashes; the entry ([stamp, hashes]) is returned so its stamp
+        can be set later (`forget_oldest(before=...)` reads it)."""
+        entry = [stamp, hashes]
+        self.entries.append(entry)
+        for h in hashes:
+            self.counts[h] = self.counts.get(h, 0) + 1
+        return entry
+
+    def forget_oldest(self, keep: int = 0, before: float | None = None) -> None:
+        """Drop entries beyond the newest `keep`, and every one stamped before `before`."""
+        while self.entries and (
+            len(self.entries) > keep or (before is not None and self.entries[0][0] < before)
+        ):
+            for h in self.entries.popleft()[1]:
+                left = self.counts[h] - 1
+                if left:
+                    self.counts[h] = left
+                else:
+                    del self.counts[h]
+
+    def matched(self, hashes: list[int]) -> int:
+        """How many leading blocks of a prompt were sent (the record is prefix-closed)."""
+        return matched_blocks(hashes, self.counts)
+
+
 @dataclass
 class Replica:
     url: str
     up: bool = False
     in_flight: int = 0
     routed: dict[str, int] = field(default_factory=dict)  # reason -> requests
-    # The prefixes of the last TEXTS_PER_REPLICA prompts sent here, as block hashes with
-    # reference counts (a prompt leaving the record takes its counts away).
-    recent: deque = field(default_factory=deque)
-    prefixes: dict[int, int] = field(default_factory=dict)
-
-    def matched(self, hashes: list[int]) -> int:
-        """How many leading blocks of a prompt (its `block_hashes`) were sent here."""
-        lo, hi = 0, len(hashes)
-        while lo < hi:  # the blocks held are closed under prefixes: binary search
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in self.prefixes:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+    # The approximate record: the text prefixes of the last TEXTS_PER_REPLICA prompts.
+    texts: PrefixRecord = field(default_factory=PrefixRecord)
+    # The replica's radix tree as its last digest listed it (None: no digest), and the
+    # token prefixes sent here that it may not list yet: each entry's stamp is when its
+    # request ended (inf while in flight); a digest asked for after that lists it.
+    digest: set[int] | None = None
+    digest_version: int = -1
+    sent: PrefixRecord = field(default_factory=PrefixRecord)
 
     def record(self, hashes: list[int]) -> None:
-        self.recent.append(hashes)
-        for h in hashes:
-            self.prefixes[h] = self.prefixes.get(h, 0) + 1
-        if len(self.recent) > TEXTS_PER_REPLICA:
-            for h in self.recent.popleft():
-                left = self.prefixes[h] - 1
-                if left:
-                    self.prefixes[h] = left
-                else:
-                    del self.prefixes[h]
+        """Record a prompt's text prefixes (its `block_hashes`)."""
+        self.texts.record(hashes)
+        self.texts.forget_oldest(keep=TEXTS_PER_REPLICA)
+
+    def matched(self, hashes: list[int]) -> int:
+        """How many leading blocks of a prompt's text were sent here."""
+        return self.texts.matched(hashes)
+
+    def cached(self, tokens: list[int]) -> int:
+        """How many leading blocks of a prompt's token keys (its `prefix_hashes`) this
+        replica's tree holds, or will once the prompts sent since its digest ran."""
+        held = matched_blocks(tokens, self.digest) if self.digest is not None else 0
+        return max(held, self.sent.matched(tokens))
 
     def total(self) -> int:
         return sum(self.routed.values())
@@ -139,8 +189,10 @@ class _ClientLeft(Exception):
 class Router:
     """An ASGI app proxying to `urls` (each a replica's base URL)."""
 
-    def __init__(self, urls: list[str], max_body_bytes: int = 2 << 20) -> None:
+    def __init__(self, urls: list[str], max_body_bytes: int = 2 << 20, api_key: str = "") -> None:
         self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        # the replicas' key, for what the router asks on its own (their digests)
+        self._auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.max_body_bytes = max_body_bytes
         self.sessions = _Bounded()  # session id -> replica index
         self.responses = _Bounded()  # response id -> replica index
@@ -153,11 +205,18 @@ class Router:
     # ---- choosing --------------------------------------------------------------------
 
     def choose(
-        self, method: str, path: str, body: dict, hashes: list[int] | None = None
+        self,
+        method: str,
+        path: str,
+        body: dict,
+        hashes: list[int] | None = None,
+        tokens: list[int] | None = None,
     ) -> tuple[int | None, int, str]:
         """(replica index, status, reason): the status is 200 when a replica is chosen,
         else the answer's (404: an unknown session or response, 503: no replica for it).
-        `hashes`: the prompt's `block_hashes` (computed here when not given)."""
+        `tokens`: the prompt's token keys as `prefix_hashes` (None: not known, so its
+        text's `block_hashes` are matched instead; `hashes`: those, computed when not
+        given)."""
         parts = path.strip("/").split("/")
         if parts[:2] == ["v1", "sessions"] and len(parts) >= 3:
             return self._pinned(self.sessions, parts[2], "session")
@@ -171,6 +230,14 @@ class Router:
         if not up:
             return None, 503, NO_REPLICA
         least = min(up, key=lambda i: (self.replicas[i].in_flight, self.replicas[i].total()))
+        if tokens is not None:
+            if method == "POST" and tokens:
+                cached = {i: self.replicas[i].cached(tokens) for i in up}
+                best = max(up, key=cached.__getitem__)
+                busier = self.replicas[best].in_flight - self.replicas[least].in_flight
+                if cached[best] / len(tokens) > CACHE_THRESHOLD and busier <= BALANCE_ABS:
+                    return best, 200, "cached_prefix"
+            return least, 200, "least_load"
         if hashes is None:
             hashes = block_hashes(prompt_text(body))
         if method == "POST" and hashes:
@@ -215,16 +282,25 @@ class Router:
         except ValueError:
             body = {}
         body = body if isinstance(body, dict) else {}
-        hashes = block_hashes(prompt_text(body))
-        index, status, reason = self.choose(method, path, body, hashes)
+        text = prompt_text(body)
+        tokens = None
+        if self._tokenizable(method, path, body, text):
+            tokens = await self._prompt_keys(path, body, scope["headers"])
+        hashes = block_hashes(text) if tokens is None else []
+        index, status, reason = self.choose(method, path, body, hashes, tokens)
         if index is None:
             code = "not_found" if status == 404 else "replica_unavailable"
             await _error(send, status, reason, code)
             return
         replica = self.replicas[index]
         replica.routed[reason] = replica.routed.get(reason, 0) + 1
-        if reason in ("prefix", "least_load") and hashes:
-            replica.record(hashes)
+        sent = None
+        if reason in ("cached_prefix", "prefix", "least_load"):
+            if tokens:
+                sent = replica.sent.record(tokens, math.inf)
+                replica.sent.forget_oldest(keep=TEXTS_PER_REPLICA)
+            elif hashes:
+                replica.record(hashes)
         replica.in_flight += 1
         try:
             # The client leaving cancels the proxying: the replica's connection closes, and
@@ -244,6 +320,70 @@ class Router:
                 tg.start_soon(proxy)
         finally:
             replica.in_flight -= 1
+            if sent is not None:
+                sent[0] = time.monotonic()  # its prefix is in the tree from now on
+
+    # ---- the prompt's token keys ---------------------------------------------------------
+
+    def _tokenizable(self, method: str, path: str, body: dict, text: str) -> bool:
+        """Worth a `/tokenize`: a prompt long enough to hold a block, whose replica is to
+        be chosen among several."""
+        return (
+            method == "POST"
+            and path.rstrip("/") in TOKENIZED_PATHS
+            and not isinstance(body.get("session_id"), str)
+            and len(text) >= MIN_TOKENIZED_CHARS
+            and sum(r.up for r in self.replicas) > 1
+        )
+
+    async def _prompt_keys(self, path: str, body: dict, headers) -> list[int] | None:
+        """The prompt's `prefix_hashes` as the engine keys its tree: its token ids (from
+        the least busy replica's `/tokenize`, with the client's own credentials) under its
+        `cache_salt`; None when they cannot be had (the text's record is used instead)."""
+        prompt = body.get("prompt") if path.rstrip("/") == "/v1/completions" else None
+        ids = None
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0]  # of several prompts, the first decides
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = prompt
+        else:
+            ask: dict = {"model": body.get("model")}
+            if isinstance(prompt, str):
+                ask["prompt"] = prompt
+            elif isinstance(body.get("messages"), list):
+                ask["messages"] = body["messages"]
+                for key in (
+                    "tools",
+                    "chat_template_kwargs",
+                    "add_generation_prompt",
+                    "continue_final_message",
+                ):
+                    if key in body:
+                        ask[key] = body[key]
+            else:
+                return None
+            up = [r for r in self.replicas if r.up]
+            replica = min(up, key=lambda r: r.in_flight)
+            auth = {
+                k.decode("latin-1"): v.decode("latin-1")
+                for k, v in headers
+                if k.lower() in (b"authorization", b"x-api-key")
+            }
+            try:
+                answer = await self.client.post(
+                    replica.url + "/tokenize", json=ask, headers=auth, timeout=TOKENIZE_TIMEOUT_S
+                )
+                ids = answer.json().get("tokens") if answer.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                ids = None
+            if not isinstance(ids, list):
+                return None
+        salt = body.get("cache_salt")
+        try:
+            keys = salted_tokens(np.asarray(ids, dtype=np.int64), salt) if salt else ids
+            return prefix_hashes(keys, DIGEST_BLOCK)
+        except (ValueError, TypeError, OverflowError):
+            return None
 
     async def _proxy(self, index: int, scope, raw: bytes, send) -> None:
         replica = self.replicas[index]
@@ -348,6 +488,37 @@ class Router:
         if up != replica.up:
             _log.warning("replica " + ("up" if up else "down"), replica=replica.url)
         replica.up = up
+        if up:
+            await self._fetch_digest(replica)
+        else:  # a replica that comes back may be another process, with another tree
+            replica.digest, replica.digest_version = None, -1
+
+    async def _fetch_digest(self, replica: Replica) -> None:
+        """The replica's tree digest, when it changed since the one held; then forget the
+        prompts sent there whose requests ended before it was asked for."""
+        asked = time.monotonic()
+        try:
+            answer = await self.probes.get(
+                replica.url + "/cache_digest",
+                params={"since": replica.digest_version},
+                headers=self._auth,
+            )
+            data = answer.json() if answer.status_code == 200 else None
+            if data is None or data.get("block_tokens") != DIGEST_BLOCK:
+                if replica.digest is not None or replica.digest_version == -1:
+                    _log.warning(
+                        "replica gives no cache digest: its own prompts' record is used",
+                        replica=replica.url,
+                        status=answer.status_code,
+                    )
+                replica.digest, replica.digest_version = None, -2
+                return
+            if not data.get("unchanged"):
+                replica.digest = unpack(base64.b64decode(data.get("hashes", "")))
+                replica.digest_version = int(data["version"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return  # the next poll asks again
+        replica.sent.forget_oldest(keep=TEXTS_PER_REPLICA, before=asked)
 
     async def _lifespan(self, receive, send) -> None:
         async with anyio.create_task_group() as tg:
@@ -374,7 +545,14 @@ class Router:
         routed = Counter(
             "kvactor_router_routed", "sent, by rule", [*labels, "reason"], registry=registry
         )
+        digest = Gauge(
+            "kvactor_router_replica_cached_prefixes",
+            f"{DIGEST_BLOCK}-token prefixes its last tree digest listed",
+            labels,
+            registry=registry,
+        )
         for r in self.replicas:
+            digest.labels(r.url).set(len(r.digest or ()))
             up.labels(r.url).set(int(r.up))
             busy.labels(r.url).set(r.in_flight)
             for reason, n in r.routed.items():

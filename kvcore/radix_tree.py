@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvcore.prefix_digest import DIGEST_BLOCK, MAX_DIGEST_BLOCKS, extend_hashes
 from kvcore.slots import floor_page, pages_of_slots
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -129,6 +130,7 @@ class RadixTree:
         self._nodes: dict[int, _Node] = {self.ROOT_ID: self._root}
         self.evictable_size = 0  # tokens in unlocked nodes
         self.protected_size = 0  # tokens in locked nodes
+        self.version = 0  # goes up whenever the set of cached prefixes changes
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -165,6 +167,24 @@ class RadixTree:
             protected_size=self.protected_size,
             alive=[n.alive.copy() for n in nodes],
         )
+
+    def digest(
+        self, block: int = DIGEST_BLOCK, limit: int = MAX_DIGEST_BLOCKS
+    ) -> tuple[list[int], bool]:
+        """(hashes, truncated): the `prefix_digest` hash of every whole `block`-token
+        prefix the tree holds, parents before children; at most `limit` of them (the
+        truncated list is still closed under prefixes)."""
+        out: list[int] = []
+        stack = [(child, _EMPTY, 0) for child in self._root.children.values()]
+        while stack and len(out) < limit:
+            node, carry, prev = stack.pop()
+            keys = np.concatenate([carry, node.key]) if carry.size else node.key
+            hashes = extend_hashes(prev, keys, block)
+            out += hashes
+            rest = keys[len(hashes) * block :]
+            last = hashes[-1] if hashes else prev
+            stack += [(child, rest, last) for child in node.children.values()]
+        return out[:limit], len(out) > limit or bool(stack)
 
     def locked_node_ids(self) -> list[int]:
         return [i for i, n in self._nodes.items() if n.lock_ref > 0 and i != self.ROOT_ID]
@@ -239,6 +259,7 @@ class RadixTree:
                 node.children[ck] = leaf
                 self._nodes[leaf.id] = leaf
                 self.evictable_size += end - pos
+                self.version += 1
                 parts.append(leaf.value)
                 node, pos = leaf, end
                 break
@@ -388,6 +409,7 @@ class RadixTree:
             got += len(node.key)
             if self._is_evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id))
+        self.version += bool(out)
         return out
 
     def _path_key(self, node: _Node) -> np.ndarray:

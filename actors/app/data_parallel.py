@@ -114,7 +114,7 @@ def serve_router(cfg: EngineConfig, argv: list[str], urls: list[str]) -> int:
     if not urls:
         processes, urls = start_replicas(cfg, argv)
     try:
-        router = Router(urls, max_body_bytes=MAX_BODY_BYTES)
+        router = Router(urls, max_body_bytes=MAX_BODY_BYTES, api_key=cfg.server.api_key)
         print(
             f"kvactor router on http://{cfg.server.host}:{cfg.server.port} "
             f"in front of {', '.join(urls)}",

@@ -404,6 +404,7 @@ def serving_specs(cfg: EngineConfig, zmq_address: str | None = None) -> list[Act
                 keepalive_timeout_s=srv.keepalive_timeout_s,
                 max_connections=srv.max_connections,
                 watched_actors=core_actor_names(cfg),
+                radix="radix" if cfg.kv.radix else None,
                 # vllm:cache_config_info's labels, valued as vLLM writes them ("16",
                 # "True"); the KV cache has the model's dtype ("auto" as vLLM's "auto");
                 # the memory_* entries are the plan's figures, exported as gauges

@@ -30,12 +30,12 @@ pytestmark = pytest.mark.anyio
 KEY_A, KEY_B = "key-a", "key-b"
 
 
-async def _request(app, method, path, body=b"", key=None):
+async def _request(app, method, path, body=b"", key=None, query=b""):
     headers = [(b"content-type", b"application/json")]
     if key is not None:
         headers.append((b"authorization", f"Bearer {key}".encode()))
     scope = {"type": "http", "method": method, "path": path, "headers": headers}
-    scope["query_string"] = b""
+    scope["query_string"] = query
     sent: list[dict] = []
     delivered = False
 
@@ -368,3 +368,46 @@ async def test_http_and_zeromq_share_a_session_under_the_same_key():
     assert engine_session_id(KEY_A, "s1") == engine_session_id(KEY_A, "s1")
     assert engine_session_id(KEY_A, "s1") != engine_session_id(KEY_B, "s1")
     assert engine_session_id("", "s1") != "s1"  # the client's id never reaches the engine
+
+
+# ---- /cache_digest: the prefix tree for a router -------------------------------------------
+
+
+async def test_cache_digest_lists_the_trees_prefixes_behind_the_key():
+    import base64
+
+    import numpy as np
+
+    from actors.radix_cache import RadixCacheActor
+    from kvcore.prefix_digest import DIGEST_BLOCK, prefix_hashes, unpack
+
+    radix = RadixCacheActor(page_size=16)
+    tokens = np.arange(3 * DIGEST_BLOCK + 10)
+    radix.tree.insert(tokens, np.arange(len(tokens)))
+
+    async def digest(since):
+        return radix.digest(since)
+
+    app = _app(FakeGenerateClient(), api_key=KEY_A, digest=digest)
+    assert (await _request(app, "GET", "/cache_digest"))[0] == 401
+    status, body = await _request(app, "GET", "/cache_digest", key=KEY_A)
+    assert status == 200, body
+    answer = json.loads(body)
+    assert answer["block_tokens"] == DIGEST_BLOCK
+    held = unpack(base64.b64decode(answer["hashes"]))
+    assert held == set(prefix_hashes(tokens[: 3 * DIGEST_BLOCK]))
+    since = f"since={answer['version']}".encode()
+    status, body = await _request(app, "GET", "/cache_digest", key=KEY_A, query=since)
+    assert json.loads(body)["unchanged"] is True and "hashes" not in json.loads(body)
+    radix.tree.evict(1000)  # the tree changed: the same `since` gets the new content
+    status, body = await _request(app, "GET", "/cache_digest", key=KEY_A, query=since)
+    assert json.loads(body).get("hashes", "") == ""  # empty now
+    # another process's tree starts at another version (1 in 2**20 alike)
+    assert RadixCacheActor(16).digest(-1).version != RadixCacheActor(16).digest(-1).version
+    status, body = await _request(app, "GET", "/cache_digest", key=KEY_A, query=b"since=x")
+    assert status == 400 and json.loads(body)["error"]["param"] == "since"
+
+
+async def test_cache_digest_without_a_prefix_cache_is_a_404_naming_why():
+    status, body = await _request(_app(FakeGenerateClient()), "GET", "/cache_digest")
+    assert status == 404 and "kv.radix" in json.loads(body)["error"]["message"]

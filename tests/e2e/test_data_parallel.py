@@ -1,9 +1,10 @@
 """`serve --data-parallel-size 2`: the router (actors/router.py) in front of two complete
 engines it starts. A streaming session's turns all land on the replica that holds its KV
 (each later turn finds its history cached); a long prefix sent again lands where it was
-cached; killing one replica leaves the other serving, with /health "degraded"; the
-router's /metrics counts each rule per replica. `--role router` fronts engines started
-elsewhere, passing their API key through, and reports a replica nobody serves as down."""
+cached, also when the router learnt of it only from that replica's tree digest; killing
+one replica leaves the other serving, with /health "degraded"; the router's /metrics
+counts each rule per replica. `--role router` fronts engines started elsewhere, passing
+their API key through, and reports a replica nobody serves as down."""
 
 from __future__ import annotations
 
@@ -101,7 +102,44 @@ def test_a_repeated_long_prefix_lands_where_it_is_cached(router):
     second = _complete(router, shared + " Second question: why?")
     assert _cached(first) < 100
     assert _cached(second) > 300, second["usage"]
-    assert any(reason == "prefix" for _, reason in _routed(router))
+    assert any(reason == "cached_prefix" for _, reason in _routed(router))
+
+
+def _cached_prefixes(server) -> dict[str, float]:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=5).text
+    prefix = "kvactor_router_replica_cached_prefixes{"
+    return {
+        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+def test_the_router_reads_the_replicas_own_trees(router):
+    """A chat sent straight to one replica (the router never saw it) is in that
+    replica's tree; the router learns it from the replica's digest, and the same
+    conversation sent through the router lands there, cached."""
+    urls = httpx.get(f"{router.base_url}/health", timeout=5).json()["replicas"]
+    target = urls[1]
+    before = _cached_prefixes(router)[target]
+    messages = [{"role": "user", "content": natural_text()[8000:10000]}]
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 2, "temperature": 0}
+    direct = httpx.post(
+        f"{target}/v1/chat/completions", json=body, headers=router.auth, timeout=120
+    )
+    assert direct.status_code == 200, direct.text
+    digest = httpx.get(f"{target}/cache_digest", headers=router.auth, timeout=5).json()
+    assert digest["block_tokens"] == 64 and len(digest["hashes"]) > 0
+    deadline = time.monotonic() + 10
+    while _cached_prefixes(router)[target] < before + 5:  # the next polls read it
+        assert time.monotonic() < deadline, _cached_prefixes(router)
+        time.sleep(0.2)
+    routed = _routed(router).get((target, "cached_prefix"), 0)
+    answer = httpx.post(
+        f"{router.base_url}/v1/chat/completions", json=body, headers=router.auth, timeout=120
+    ).json()
+    assert _cached(answer) > 300, answer["usage"]
+    assert _routed(router)[(target, "cached_prefix")] == routed + 1
 
 
 def test_a_client_that_leaves_frees_its_replica(router):

@@ -80,4 +80,121 @@ def test_the_record_forgets_the_oldest_prompts(monkeypatch):
     assert replica.matched(first) == 0  # forgotten
     mixed = block_hashes("b" * PREFIX_BLOCK + "c" * 136)  # second's first block, then not
     assert replica.matched(third) == 3 and replica.matched(mixed) == 1
-    assert len(replica.prefixes) == 6
+    assert len(replica.texts.counts) == 6
+
+
+# ---- the replicas' own trees (their digests) -------------------------------------------
+
+from kvcore.prefix_digest import DIGEST_BLOCK, pack, prefix_hashes  # noqa: E402
+
+
+def _keys(n: int, start: int = 0) -> list[int]:
+    return prefix_hashes(list(range(start, start + n)), DIGEST_BLOCK)
+
+
+def test_a_prompt_goes_to_the_replica_whose_tree_holds_most_of_it(router):
+    held = _keys(4 * DIGEST_BLOCK)
+    router.replicas[1].digest = set(held[:3])
+    router.replicas[2].digest = set(held)  # all four blocks
+    # the text record says replica 0 (a prompt sent there before): the trees win
+    router.replicas[0].record(block_hashes("system prompt " * 50))
+    body = {"prompt": "system prompt " * 50}
+    assert router.choose("POST", "/v1/completions", body, tokens=held) == (2, 200, "cached_prefix")
+    # half or less of the prompt cached anywhere: the least busy replica
+    longer = _keys(9 * DIGEST_BLOCK)
+    router.replicas[0].in_flight = 1
+    assert router.choose("POST", "/v1/completions", body, tokens=longer) == (1, 200, "least_load")
+    # the cached replica far busier than the least busy one: balance wins
+    router.replicas[2].in_flight = BALANCE_ABS + 2
+    assert router.choose("POST", "/v1/completions", body, tokens=held)[2] == "least_load"
+
+
+def test_prompts_sent_count_until_a_digest_asked_after_they_ended():
+    import math
+
+    import actors.router as router_module
+
+    replica = router_module.Replica("http://a", up=True)
+    replica.digest = set()
+    keys = _keys(3 * DIGEST_BLOCK)
+    entry = replica.sent.record(keys, math.inf)
+    assert replica.cached(keys) == 3  # in flight: not in any digest yet, but sent here
+    replica.sent.forget_oldest(keep=10, before=100.0)
+    assert replica.cached(keys) == 3  # still in flight: kept
+    entry[0] = 50.0  # ended at t=50
+    replica.sent.forget_oldest(keep=10, before=40.0)  # a digest asked before it ended
+    assert replica.cached(keys) == 3
+    replica.sent.forget_oldest(keep=10, before=60.0)  # one asked after: the tree decides
+    assert replica.cached(keys) == 0 and not replica.sent.counts
+
+
+class _FakeReplica:
+    """A replica's /tokenize and /cache_digest, answering as the engine does."""
+
+    def __init__(self, tokens: list[int], digest: list[int], version: int = 7) -> None:
+        self.tokens, self.digest, self.version = tokens, digest, version
+        self.asked: list[tuple[str, dict, dict]] = []
+
+    def __call__(self, request):
+        import base64
+        import json
+
+        import httpx
+
+        query = dict(request.url.params)
+        self.asked.append((request.url.path, query, dict(request.headers)))
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"tokens": self.tokens, "count": len(self.tokens)})
+        if request.url.path == "/cache_digest":
+            if query.get("since") == str(self.version):
+                body = {"version": self.version, "block_tokens": DIGEST_BLOCK, "unchanged": True}
+            else:
+                raw = base64.b64encode(pack(self.digest)).decode()
+                body = {"version": self.version, "block_tokens": DIGEST_BLOCK, "hashes": raw}
+            return httpx.Response(200, text=json.dumps(body))
+        return httpx.Response(404)
+
+
+def test_the_prompt_keys_come_from_a_replica_tokenizer_under_the_salt(router):
+    import anyio
+    import httpx
+
+    from kvcore.salt import salted_tokens
+
+    ids = list(range(3 * DIGEST_BLOCK))
+    fake = _FakeReplica(ids, [])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(fake))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x" * 300}], "tools": []}
+    headers = [(b"authorization", b"Bearer k"), (b"cookie", b"no")]
+
+    async def keys(path, body):
+        return await router._prompt_keys(path, body, headers)
+
+    assert anyio.run(keys, "/v1/chat/completions", chat) == prefix_hashes(ids, DIGEST_BLOCK)
+    path, _, sent_headers = fake.asked[-1]
+    assert path == "/tokenize" and sent_headers["authorization"] == "Bearer k"
+    assert "cookie" not in sent_headers  # only the client's credentials go along
+    salted = anyio.run(keys, "/v1/completions", {"prompt": "x" * 300, "cache_salt": "t"})
+    assert salted == prefix_hashes(salted_tokens(ids, "t"), DIGEST_BLOCK) != prefix_hashes(ids)
+    asked = len(fake.asked)
+    assert anyio.run(keys, "/v1/completions", {"prompt": [ids]}) == prefix_hashes(ids)
+    assert len(fake.asked) == asked  # token ids given: nothing to ask
+    assert anyio.run(keys, "/v1/completions", {"prompt": {"odd": 1}}) is None
+
+
+def test_the_digest_poll_reads_the_tree_once_per_version(router):
+    import anyio
+    import httpx
+
+    held = _keys(2 * DIGEST_BLOCK)
+    fake = _FakeReplica([], held)
+    router.probes = httpx.AsyncClient(transport=httpx.MockTransport(fake))
+    replica = router.replicas[0]
+    anyio.run(router._fetch_digest, replica)
+    assert replica.digest == set(held) and replica.digest_version == 7
+    fake.digest = []  # the replica would now answer differently, but its version is the same
+    anyio.run(router._fetch_digest, replica)
+    assert fake.asked[-1][1] == {"since": "7"} and replica.digest == set(held)
+    fake.version = 8
+    anyio.run(router._fetch_digest, replica)
+    assert replica.digest == set()

@@ -96,3 +96,18 @@ class TreeStats(Message):
     protected_tokens: int
     nodes: int
     pages: list[int] = []
+
+
+class TreeDigestRequest(Message):
+    """The tree's cached prefixes as hashes (`kvcore.prefix_digest`), for a router.
+    `since`: the version the asker holds; an unchanged tree answers without the hashes."""
+
+    since: int = -1
+
+
+class TreeDigest(Message):
+    version: int
+    block_tokens: int
+    unchanged: bool = False
+    hashes: bytes = b""  # little-endian uint64s, parents before children
+    truncated: bool = False  # the tree holds more than a digest lists

@@ -25,6 +25,7 @@ from actors.runtime import RemoteError
 from transport.channel import ChannelClosed
 from transport.messages.alloc import KvStats, KvStatsRequest
 from transport.messages.engine import SchedulerStats, SchedulerStatsRequest
+from transport.messages.radix import TreeDigest, TreeDigestRequest
 
 HEALTH_TIMEOUT_S = 1.0
 STATS_TIMEOUT_S = 2.0
@@ -66,6 +67,7 @@ class GatewayActor(FrontendActor):
         tokenizer: str = "tokenizer",
         scheduler: str = "scheduler",
         allocator: str = "allocator",
+        radix: str | None = "radix",  # the prefix cache's actor (None: none runs)
         max_body_bytes: int = MAX_BODY_BYTES,
         generation_defaults: dict | None = None,
         tool_call_parser: str = "auto",
@@ -105,6 +107,7 @@ class GatewayActor(FrontendActor):
         self.watched_actors = list(watched_actors)
         self.scheduler_name = scheduler
         self.allocator_name = allocator
+        self.radix_name = radix
         self.max_body_bytes = max_body_bytes
         self.metrics = GatewayMetrics(self.model_name, context_len, cache_config)
         self.bound_port: int | None = None
@@ -129,6 +132,7 @@ class GatewayActor(FrontendActor):
             api_key=self.api_key,
             health=self.probe_health,
             stats=self.engine_stats,
+            digest=self.tree_digest if self.radix_name else None,
             metrics=self.metrics,
             max_body_bytes=self.max_body_bytes,
             body_timeout_s=self.body_timeout_s,
@@ -235,6 +239,15 @@ class GatewayActor(FrontendActor):
             tg.start_soon(fetch, "s", self.scheduler_name, SchedulerStatsRequest(), SchedulerStats)
             tg.start_soon(fetch, "k", self.allocator_name, KvStatsRequest(), KvStats)
         return results.get("s"), results.get("k")  # type: ignore[return-value]
+
+    async def tree_digest(self, since: int) -> TreeDigest | None:
+        """The radix actor's digest (None when it does not answer in time)."""
+        assert self.radix_name is not None
+        with contextlib.suppress(TimeoutError, RemoteError, ChannelClosed, KeyError):
+            return await self.ref(self.radix_name).call(
+                TreeDigestRequest(since=since), expect=TreeDigest, timeout=STATS_TIMEOUT_S
+            )
+        return None
 
     def stats(self) -> dict[str, int | float]:
         requests = {f"requests_{k}": v for k, v in self.metrics.requests.items()}

@@ -71,6 +71,7 @@ from actors.frontends.http.schemas import (
 from actors.frontends.http.streaming import SSE_KEEPALIVE_S, GenerationResponder
 from transport.messages.alloc import KvStats
 from transport.messages.engine import SchedulerStats
+from transport.messages.radix import TreeDigest
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this
@@ -81,6 +82,7 @@ except importlib.metadata.PackageNotFoundError:  # running from a plain checkout
 
 HealthProbe = Callable[[], Awaitable[dict[str, str | None]]]  # actor -> None (up) or why down
 StatsProbe = Callable[[], Awaitable[tuple[SchedulerStats | None, KvStats | None]]]
+DigestProbe = Callable[[int], Awaitable[TreeDigest | None]]  # since -> digest, None: no tree
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -141,6 +143,7 @@ class GatewayApp:
         responses_max_stored: int = responses.MAX_STORED_RESPONSES,
         responses_ttl_s: float = responses.STORED_RESPONSE_TTL_S,
         responses_max_sessions: int = responses.MAX_RESPONSE_SESSIONS,
+        digest: DigestProbe | None = None,
     ) -> None:
         if not model_names:
             raise ValueError("the gateway needs at least one model name")
@@ -157,6 +160,7 @@ class GatewayApp:
         self._api_keys = [k.encode() for k in keys if k]
         self.health = health
         self.stats = stats
+        self.digest = digest
         self.metrics = metrics or GatewayMetrics(self.model_name, context_len)
         self.bodies = RequestBodies(max_body_bytes, body_timeout_s)
         self.responder = GenerationResponder(client, self.metrics, keepalive_s)
@@ -208,6 +212,7 @@ class GatewayApp:
                 Route("/tokenize", {"POST": self._tokenize}, "tokenize"),
                 Route("/detokenize", {"POST": self._detokenize}, "detokenize"),
                 Route("/version", {"GET": self._version}, "version"),
+                Route("/cache_digest", {"GET": self._cache_digest}, "cache_digest", auth=True),
                 Route(
                     "/tokenizer_info", {"GET": self._tokenizer_info}, "tokenizer_info", auth=True
                 ),
@@ -517,6 +522,22 @@ class GatewayApp:
 
     async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_response(send, 200, _json.encode({"version": KVACTOR_VERSION}))
+
+    async def _cache_digest(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The prefix cache's content as hashes (kvcore.prefix_digest), for a router:
+        `?since=V` answers `unchanged` when the tree is still at version V."""
+        since = -1
+        for part in scope.get("query_string", b"").decode("latin-1").split("&"):
+            name, _, value = part.partition("=")
+            if name == "since":
+                try:
+                    since = int(value)
+                except ValueError:
+                    raise ApiError(400, "since: must be an integer", param="since") from None
+        digest = await self.digest(since) if self.digest is not None else None
+        if digest is None:
+            raise ApiError(404, "this engine keeps no prefix cache (kv.radix is off)")
+        await send_response(send, 200, _json.encode(digest))
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.accepting():

@@ -1,0 +1,109 @@
+"""The prefix tree's digest: what a router matches prompts against (kvcore.prefix_digest)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcore import RadixTree
+from kvcore.prefix_digest import matched_blocks, pack, prefix_hashes, unpack
+from kvcore.salt import salted_tokens
+
+BLOCK = 8
+
+
+def _tree_with(seqs: list[np.ndarray], page_size: int = 4) -> RadixTree:
+    tree = RadixTree(page_size)
+    slot = 0
+    for seq in seqs:
+        slots = np.arange(slot, slot + len(seq), dtype=np.int64)
+        slot += len(seq)
+        tree.insert(seq, slots)
+    return tree
+
+
+def _expected(seqs: list[np.ndarray], page_size: int = 4) -> set[int]:
+    """Every whole block of every inserted (page-floored) sequence."""
+    out: set[int] = set()
+    for seq in seqs:
+        out |= set(prefix_hashes(seq[: len(seq) // page_size * page_size], BLOCK))
+    return out
+
+
+def test_digest_holds_every_whole_block_prefix_of_a_branching_tree():
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 1000, 21)
+    seqs = [np.concatenate([shared, rng.integers(0, 1000, n)]) for n in (3, 17, 40, 0)]
+    seqs.append(rng.integers(0, 1000, 33))
+    tree = _tree_with(seqs)
+    hashes, truncated = tree.digest(BLOCK)
+    assert not truncated
+    assert len(hashes) == len(set(hashes))  # one entry per prefix, however the tree split
+    assert set(hashes) == _expected(seqs)
+
+
+def test_a_prompt_matches_as_many_blocks_as_the_tree_holds_of_it():
+    rng = np.random.default_rng(1)
+    cached = rng.integers(0, 1000, 64)
+    tree = _tree_with([cached])
+    held, _ = tree.digest(BLOCK)
+    prompt = np.concatenate([cached[:44], rng.integers(1000, 2000, 30)])
+    assert matched_blocks(prefix_hashes(prompt, BLOCK), set(held)) == 44 // BLOCK
+    other = rng.integers(1000, 2000, 64)
+    assert matched_blocks(prefix_hashes(other, BLOCK), set(held)) == 0
+    # a different cache_salt is a different key space: nothing of the same text matches
+    salted = salted_tokens(cached, "tenant-a")
+    assert matched_blocks(prefix_hashes(salted, BLOCK), set(held)) == 0
+
+
+def test_version_moves_with_the_content_only():
+    tree = _tree_with([np.arange(32)])
+    v = tree.version
+    tree.match_prefix(np.arange(16))  # a split, same content
+    tree.insert(np.arange(16), np.arange(100, 116))  # already held
+    assert tree.version == v
+    tree.insert(np.arange(40), np.arange(200, 240))
+    assert tree.version == v + 1
+    assert len(tree.evict(100)) > 0
+    assert tree.version == v + 2
+    assert tree.digest(BLOCK) == ([], False)
+    assert len(tree.evict(100)) == 0
+    assert tree.version == v + 2  # nothing evicted, nothing changed
+
+
+def test_eviction_takes_the_leaf_blocks_out_of_the_digest():
+    seqs = [np.arange(48), np.concatenate([np.arange(24), np.arange(500, 524)])]
+    tree = _tree_with(seqs)
+    tree.match_prefix(seqs[0])  # the other branch is now least recently used
+    tree.evict(1)
+    hashes, _ = tree.digest(BLOCK)
+    assert set(hashes) == _expected([seqs[0], seqs[1][:24]])
+
+
+def test_a_truncated_digest_stays_closed_under_prefixes():
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(0, 1000, 64) for _ in range(6)]
+    tree = _tree_with(seqs)
+    hashes, truncated = tree.digest(BLOCK, limit=20)
+    assert truncated and len(hashes) == 20
+    held = set(hashes)
+    for seq in seqs:
+        chain = prefix_hashes(seq, BLOCK)
+        k = matched_blocks(chain, held)
+        assert all(h not in held for h in chain[k:])  # no hole: whole leading runs only
+
+
+def test_hashes_are_stable_and_pack_round_trips():
+    # fixed values: a router and a replica on other machines must agree
+    assert prefix_hashes(np.arange(16), 8) == prefix_hashes(list(range(16)), 8)
+    first = prefix_hashes(np.arange(16), 8)
+    assert first == prefix_hashes(np.arange(17), 8)  # a partial block adds nothing
+    assert unpack(pack(first)) == set(first)
+    with pytest.raises(ValueError, match="8-byte"):
+        unpack(b"abc")
+
+
+def test_hashes_pinned_to_known_values():
+    # a change here breaks routing between a router and replicas of different versions
+    assert prefix_hashes(np.arange(4), 4) == [7802164138452766617]
+    assert prefix_hashes([5, 2**40 + 7, 3, 1], 2) == [14982924274886903334, 18004310441798214830]
