@@ -14,7 +14,7 @@ import numpy as np
 
 from actors.runtime import Actor
 from kvcore import RadixTree
-from kvcore.prefix_digest import DIGEST_BLOCK, pack
+from kvcore.prefix_digest import pack
 from transport.messages.radix import (
     EvictBlocks,
     EvictedBlocks,
@@ -118,12 +118,12 @@ class RadixCacheActor(Actor):
         """The tree's digest, made once per tree version (each router polls it)."""
         version = self._epoch + self.tree.version
         if since == version:
-            return TreeDigest(version=version, block_tokens=DIGEST_BLOCK, unchanged=True)
+            return TreeDigest(version=version, block_tokens=self.tree.digest_block, unchanged=True)
         if self._digest is None or self._digest.version != version:
-            hashes, truncated = self.tree.digest(DIGEST_BLOCK)  # O(tokens held)
+            hashes, truncated = self.tree.digest()  # kept as the tree changes: a copy
             self._digest = TreeDigest(
                 version=version,
-                block_tokens=DIGEST_BLOCK,
+                block_tokens=self.tree.digest_block,
                 hashes=pack(hashes),
                 truncated=truncated,
             )

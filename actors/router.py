@@ -53,8 +53,9 @@ PREFIX_BLOCK = 64  # characters per block of that record
 CACHE_THRESHOLD = 0.5  # a prefix longer than this share of the prompt routes by cache
 BALANCE_ABS = 16  # ... unless that replica has this many more requests in flight
 TOKENIZED_PATHS = ("/v1/completions", "/v1/chat/completions")  # matched in token ids
-TOKENIZE_TIMEOUT_S = 5.0
-MIN_TOKENIZED_CHARS = DIGEST_BLOCK  # shorter prompts hold no whole block: least load
+TOKENIZE_TIMEOUT_S = 1.0  # past this the request is routed by load (never held longer)
+MIN_TOKENIZED_CHARS = 4 * DIGEST_BLOCK  # shorter prompts rarely hold a whole block
+MAX_SENT_BLOCKS = 1024  # of a prompt sent, the record keeps this many leading blocks
 MAX_REMEMBERED_IDS = 100_000  # sessions and responses mapped to their replica
 NO_REPLICA = "no replica is serving"
 # Hop-by-hop and framing headers: the router frames each side itself.
@@ -105,24 +106,32 @@ class PrefixRecord:
 
     def record(self, hashes: list[int], stamp: float = 0.0) -> list:
         """Add a prompt's hashes; the entry ([stamp, hashes]) is returned so its stamp
-        can be set later (`forget_oldest(before=...)` reads it)."""
+        can be set later (`forget_ended` reads it)."""
         entry = [stamp, hashes]
         self.entries.append(entry)
         for h in hashes:
             self.counts[h] = self.counts.get(h, 0) + 1
         return entry
 
-    def forget_oldest(self, keep: int = 0, before: float | None = None) -> None:
-        """Drop entries beyond the newest `keep`, and every one stamped before `before`."""
-        while self.entries and (
-            len(self.entries) > keep or (before is not None and self.entries[0][0] < before)
-        ):
-            for h in self.entries.popleft()[1]:
-                left = self.counts[h] - 1
-                if left:
-                    self.counts[h] = left
-                else:
-                    del self.counts[h]
+    def forget_oldest(self, keep: int) -> None:
+        """Drop entries beyond the newest `keep`."""
+        while len(self.entries) > keep:
+            self._uncount(self.entries.popleft()[1])
+
+    def forget_ended(self, before: float) -> None:
+        """Drop every entry stamped before `before`, wherever it is in the record (the
+        others stay the same objects: their requests still stamp them)."""
+        for entry in [e for e in self.entries if e[0] < before]:
+            self._uncount(entry[1])
+        self.entries = deque(e for e in self.entries if e[0] >= before)
+
+    def _uncount(self, hashes: list[int]) -> None:
+        for h in hashes:
+            left = self.counts[h] - 1
+            if left:
+                self.counts[h] = left
+            else:
+                del self.counts[h]
 
     def matched(self, hashes: list[int]) -> int:
         """How many leading blocks of a prompt were sent (the record is prefix-closed)."""
@@ -211,12 +220,13 @@ class Router:
         body: dict,
         hashes: list[int] | None = None,
         tokens: list[int] | None = None,
+        token_count: int = 0,
     ) -> tuple[int | None, int, str]:
         """(replica index, status, reason): the status is 200 when a replica is chosen,
         else the answer's (404: an unknown session or response, 503: no replica for it).
         `tokens`: the prompt's token keys as `prefix_hashes` (None: not known, so its
         text's `block_hashes` are matched instead; `hashes`: those, computed when not
-        given)."""
+        given); `token_count`: the prompt's length in tokens (0: its whole blocks')."""
         parts = path.strip("/").split("/")
         if parts[:2] == ["v1", "sessions"] and len(parts) >= 3:
             return self._pinned(self.sessions, parts[2], "session")
@@ -235,7 +245,9 @@ class Router:
                 cached = {i: self.replicas[i].cached(tokens) for i in up}
                 best = max(up, key=cached.__getitem__)
                 busier = self.replicas[best].in_flight - self.replicas[least].in_flight
-                if cached[best] / len(tokens) > CACHE_THRESHOLD and busier <= BALANCE_ABS:
+                length = max(token_count, len(tokens) * DIGEST_BLOCK)
+                share = cached[best] * DIGEST_BLOCK / length
+                if share > CACHE_THRESHOLD and busier <= BALANCE_ABS:
                     return best, 200, "cached_prefix"
             return least, 200, "least_load"
         if hashes is None:
@@ -283,11 +295,13 @@ class Router:
             body = {}
         body = body if isinstance(body, dict) else {}
         text = prompt_text(body)
-        tokens = None
+        tokens, count = None, 0
         if self._tokenizable(method, path, body, text):
-            tokens = await self._prompt_keys(path, body, scope["headers"])
+            keys = await self._prompt_keys(path, body, scope["headers"])
+            if keys is not None:
+                tokens, count = keys
         hashes = block_hashes(text) if tokens is None else []
-        index, status, reason = self.choose(method, path, body, hashes, tokens)
+        index, status, reason = self.choose(method, path, body, hashes, tokens, count)
         if index is None:
             code = "not_found" if status == 404 else "replica_unavailable"
             await _error(send, status, reason, code)
@@ -297,7 +311,7 @@ class Router:
         sent = None
         if reason in ("cached_prefix", "prefix", "least_load"):
             if tokens:
-                sent = replica.sent.record(tokens, math.inf)
+                sent = replica.sent.record(tokens[:MAX_SENT_BLOCKS], math.inf)
                 replica.sent.forget_oldest(keep=TEXTS_PER_REPLICA)
             elif hashes:
                 replica.record(hashes)
@@ -336,34 +350,24 @@ class Router:
             and sum(r.up for r in self.replicas) > 1
         )
 
-    async def _prompt_keys(self, path: str, body: dict, headers) -> list[int] | None:
-        """The prompt's `prefix_hashes` as the engine keys its tree: its token ids (from
-        the least busy replica's `/tokenize`, with the client's own credentials) under its
-        `cache_salt`; None when they cannot be had (the text's record is used instead)."""
+    async def _prompt_keys(self, path: str, body: dict, headers) -> tuple[list[int], int] | None:
+        """(the prompt's `prefix_hashes` as the engine keys its tree, its length in tokens):
+        its token ids (from the least busy replica's `/tokenize`, with the client's own
+        credentials, within TOKENIZE_TIMEOUT_S) under its `cache_salt`; None when they
+        cannot be had (the text's record is used instead)."""
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            return None  # the replica refuses it
         prompt = body.get("prompt") if path.rstrip("/") == "/v1/completions" else None
-        ids = None
         if isinstance(prompt, list) and prompt:
             prompt = prompt[0]  # of several prompts, the first decides
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
             ids = prompt
         else:
-            ask: dict = {"model": body.get("model")}
-            if isinstance(prompt, str):
-                ask["prompt"] = prompt
-            elif isinstance(body.get("messages"), list):
-                ask["messages"] = body["messages"]
-                for key in (
-                    "tools",
-                    "chat_template_kwargs",
-                    "add_generation_prompt",
-                    "continue_final_message",
-                ):
-                    if key in body:
-                        ask[key] = body[key]
-            else:
+            ask = self._tokenize_body(body, prompt)
+            if ask is None:
                 return None
-            up = [r for r in self.replicas if r.up]
-            replica = min(up, key=lambda r: r.in_flight)
+            replica = min((r for r in self.replicas if r.up), key=lambda r: r.in_flight)
             auth = {
                 k.decode("latin-1"): v.decode("latin-1")
                 for k, v in headers
@@ -378,12 +382,28 @@ class Router:
                 ids = None
             if not isinstance(ids, list):
                 return None
-        salt = body.get("cache_salt")
         try:
             keys = salted_tokens(np.asarray(ids, dtype=np.int64), salt) if salt else ids
-            return prefix_hashes(keys, DIGEST_BLOCK)
+            return prefix_hashes(keys, DIGEST_BLOCK), len(ids)
         except (ValueError, TypeError, OverflowError):
             return None
+
+    @staticmethod
+    def _tokenize_body(body: dict, prompt) -> dict | None:
+        """The `/tokenize` request that renders this prompt as its own endpoint does."""
+        ask: dict = {"model": body.get("model")}
+        if isinstance(prompt, str):
+            ask["prompt"] = prompt
+            return ask
+        if not isinstance(body.get("messages"), list):
+            return None
+        ask["messages"] = body["messages"]
+        for key in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+            if body.get(key) is not None:
+                ask[key] = body[key]
+        if body.get("tools") and body.get("tool_choice") != "none":
+            ask["tools"] = body["tools"]  # the chat endpoint renders none under "none"
+        return ask
 
     async def _proxy(self, index: int, scope, raw: bytes, send) -> None:
         replica = self.replicas[index]
@@ -503,8 +523,10 @@ class Router:
                 params={"since": replica.digest_version},
                 headers=self._auth,
             )
+            if answer.status_code >= 500:
+                return  # busy for now: the digest held stays until the next poll
             data = answer.json() if answer.status_code == 200 else None
-            if data is None or data.get("block_tokens") != DIGEST_BLOCK:
+            if not isinstance(data, dict) or data.get("block_tokens") != DIGEST_BLOCK:
                 if replica.digest is not None or replica.digest_version == -1:
                     _log.warning(
                         "replica gives no cache digest: its own prompts' record is used",
@@ -516,9 +538,10 @@ class Router:
             if not data.get("unchanged"):
                 replica.digest = unpack(base64.b64decode(data.get("hashes", "")))
                 replica.digest_version = int(data["version"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        except Exception as exc:  # noqa: BLE001 - the health poll must outlive any answer
+            _log.info("cache digest not read", replica=replica.url, error=repr(exc)[:200])
             return  # the next poll asks again
-        replica.sent.forget_oldest(keep=TEXTS_PER_REPLICA, before=asked)
+        replica.sent.forget_ended(asked)
 
     async def _lifespan(self, receive, send) -> None:
         async with anyio.create_task_group() as tg:

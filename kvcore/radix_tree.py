@@ -37,7 +37,18 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class _Node:
-    __slots__ = ("id", "key", "value", "alive", "children", "parent", "lock_ref", "last_access")
+    __slots__ = (
+        "id",
+        "key",
+        "value",
+        "alive",
+        "children",
+        "parent",
+        "lock_ref",
+        "last_access",
+        "depth",
+        "hashes",
+    )
 
     def __init__(
         self,
@@ -56,6 +67,9 @@ class _Node:
         self.parent = parent
         self.lock_ref = 0
         self.last_access = 0
+        self.depth = 0  # tokens on the path above this node
+        # `prefix_digest` hashes of the digest blocks that end inside this node's key
+        self.hashes: list[int] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +133,11 @@ class TreeSnapshot:
 class RadixTree:
     ROOT_ID = 0
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, digest_block: int = DIGEST_BLOCK) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
+        self.digest_block = digest_block
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
         self._root = _Node(self.ROOT_ID, _EMPTY, _EMPTY, None)
@@ -131,6 +146,8 @@ class RadixTree:
         self.evictable_size = 0  # tokens in unlocked nodes
         self.protected_size = 0  # tokens in locked nodes
         self.version = 0  # goes up whenever the set of cached prefixes changes
+        # Every node's `hashes`, counted (kept as nodes come and go: a digest is a copy).
+        self._digest: dict[int, int] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -168,23 +185,20 @@ class RadixTree:
             alive=[n.alive.copy() for n in nodes],
         )
 
-    def digest(
-        self, block: int = DIGEST_BLOCK, limit: int = MAX_DIGEST_BLOCKS
-    ) -> tuple[list[int], bool]:
-        """(hashes, truncated): the `prefix_digest` hash of every whole `block`-token
-        prefix the tree holds, parents before children; at most `limit` of them (the
-        truncated list is still closed under prefixes)."""
+    def digest(self, limit: int = MAX_DIGEST_BLOCKS) -> tuple[list[int], bool]:
+        """(hashes, truncated): the `prefix_digest` hash of every whole `digest_block`-token
+        unsalted prefix the tree holds (salted ones stay private to their namespace); at
+        most `limit` of them, then parents before children, so the list stays closed
+        under prefixes."""
+        if len(self._digest) <= limit:
+            return list(self._digest), False
         out: list[int] = []
-        stack = [(child, _EMPTY, 0) for child in self._root.children.values()]
+        stack = list(self._root.children.values())
         while stack and len(out) < limit:
-            node, carry, prev = stack.pop()
-            keys = np.concatenate([carry, node.key]) if carry.size else node.key
-            hashes = extend_hashes(prev, keys, block)
-            out += hashes
-            rest = keys[len(hashes) * block :]
-            last = hashes[-1] if hashes else prev
-            stack += [(child, rest, last) for child in node.children.values()]
-        return out[:limit], len(out) > limit or bool(stack)
+            node = stack.pop()
+            out += node.hashes
+            stack += node.children.values()
+        return out[:limit], True
 
     def locked_node_ids(self) -> list[int]:
         return [i for i, n in self._nodes.items() if n.lock_ref > 0 and i != self.ROOT_ID]
@@ -256,6 +270,8 @@ class RadixTree:
                     alive_in[pos // ps : end // ps].copy(),
                 )
                 leaf.last_access = now
+                leaf.depth = pos
+                self._hash_blocks(leaf, node, key)
                 node.children[ck] = leaf
                 self._nodes[leaf.id] = leaf
                 self.evictable_size += end - pos
@@ -405,6 +421,10 @@ class RadixTree:
                 out.append(node)
             del parent.children[self._child_key(node.key, 0)]
             del self._nodes[nid]
+            for h in node.hashes:
+                left = self._digest.pop(h) - 1
+                if left:
+                    self._digest[h] = left
             self.evictable_size -= len(node.key)
             got += len(node.key)
             if self._is_evictable_leaf(parent):
@@ -420,6 +440,21 @@ class RadixTree:
         return np.concatenate(parts[::-1])
 
     # ---- internals -----------------------------------------------------------------------
+    def _hash_blocks(self, leaf: _Node, parent: _Node, key: np.ndarray) -> None:
+        """Hash the digest blocks that end inside a new leaf (`key`: the whole path's)."""
+        if not len(leaf.key) or int(leaf.key[0]) >> 32:
+            return  # a salted namespace (kvcore.salt) is not listed
+        block = self.digest_block
+        start = leaf.depth // block * block
+        prev, node = 0, parent
+        while node is not self._root and not node.hashes:
+            node = node.parent
+        if node is not self._root:
+            prev = node.hashes[-1]
+        leaf.hashes = extend_hashes(prev, key[start : leaf.depth + len(leaf.key)], block)
+        for h in leaf.hashes:
+            self._digest[h] = self._digest.get(h, 0) + 1
+
     def _is_evictable_leaf(self, node: _Node) -> bool:
         return node is not self._root and not node.children and node.lock_ref == 0
 
@@ -447,6 +482,10 @@ class RadixTree:
         )
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
+        upper.depth = child.depth
+        ends = (child.depth + m) // self.digest_block - child.depth // self.digest_block
+        upper.hashes, child.hashes = child.hashes[:ends], child.hashes[ends:]
+        child.depth += m
         child.key = child.key[m:].copy()
         child.value = child.value[m:].copy()
         child.alive = child.alive[k:].copy()

@@ -411,3 +411,12 @@ async def test_cache_digest_lists_the_trees_prefixes_behind_the_key():
 async def test_cache_digest_without_a_prefix_cache_is_a_404_naming_why():
     status, body = await _request(_app(FakeGenerateClient()), "GET", "/cache_digest")
     assert status == 404 and "kv.radix" in json.loads(body)["error"]["message"]
+
+
+async def test_a_prefix_cache_that_does_not_answer_is_a_503_not_a_404():
+    async def silent(since):
+        return None
+
+    app = _app(FakeGenerateClient(), digest=silent)
+    status, body = await _request(app, "GET", "/cache_digest")
+    assert status == 503 and "in time" in json.loads(body)["error"]["message"]

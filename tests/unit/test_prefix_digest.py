@@ -13,7 +13,7 @@ BLOCK = 8
 
 
 def _tree_with(seqs: list[np.ndarray], page_size: int = 4) -> RadixTree:
-    tree = RadixTree(page_size)
+    tree = RadixTree(page_size, digest_block=BLOCK)
     slot = 0
     for seq in seqs:
         slots = np.arange(slot, slot + len(seq), dtype=np.int64)
@@ -36,7 +36,7 @@ def test_digest_holds_every_whole_block_prefix_of_a_branching_tree():
     seqs = [np.concatenate([shared, rng.integers(0, 1000, n)]) for n in (3, 17, 40, 0)]
     seqs.append(rng.integers(0, 1000, 33))
     tree = _tree_with(seqs)
-    hashes, truncated = tree.digest(BLOCK)
+    hashes, truncated = tree.digest()
     assert not truncated
     assert len(hashes) == len(set(hashes))  # one entry per prefix, however the tree split
     assert set(hashes) == _expected(seqs)
@@ -46,7 +46,7 @@ def test_a_prompt_matches_as_many_blocks_as_the_tree_holds_of_it():
     rng = np.random.default_rng(1)
     cached = rng.integers(0, 1000, 64)
     tree = _tree_with([cached])
-    held, _ = tree.digest(BLOCK)
+    held, _ = tree.digest()
     prompt = np.concatenate([cached[:44], rng.integers(1000, 2000, 30)])
     assert matched_blocks(prefix_hashes(prompt, BLOCK), set(held)) == 44 // BLOCK
     other = rng.integers(1000, 2000, 64)
@@ -66,7 +66,7 @@ def test_version_moves_with_the_content_only():
     assert tree.version == v + 1
     assert len(tree.evict(100)) > 0
     assert tree.version == v + 2
-    assert tree.digest(BLOCK) == ([], False)
+    assert tree.digest() == ([], False)
     assert len(tree.evict(100)) == 0
     assert tree.version == v + 2  # nothing evicted, nothing changed
 
@@ -76,15 +76,68 @@ def test_eviction_takes_the_leaf_blocks_out_of_the_digest():
     tree = _tree_with(seqs)
     tree.match_prefix(seqs[0])  # the other branch is now least recently used
     tree.evict(1)
-    hashes, _ = tree.digest(BLOCK)
+    hashes, _ = tree.digest()
     assert set(hashes) == _expected([seqs[0], seqs[1][:24]])
+
+
+def _recomputed(tree: RadixTree) -> set[int]:
+    """The oracle: every unsalted whole-block prefix of every path, hashed afresh."""
+    snap = tree.snapshot()
+    keys = dict(zip(snap.ids, snap.keys, strict=True))
+    parents = dict(zip(snap.ids, snap.parents, strict=True))
+    out: set[int] = set()
+    for nid in snap.ids:
+        path, at = [], nid
+        while at != tree.ROOT_ID:
+            path.append(keys[at])
+            at = parents[at]
+        seq = np.concatenate(path[::-1])
+        if len(seq) and int(seq[0]) >> 32 == 0:
+            out |= set(prefix_hashes(seq, BLOCK))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("page_size", [1, 3, 4, 16])
+def test_the_kept_digest_equals_one_made_afresh_through_inserts_splits_and_evictions(
+    seed, page_size
+):
+    rng = np.random.default_rng(seed)
+    tree = RadixTree(page_size, digest_block=BLOCK)
+    stems = [rng.integers(0, 50, int(rng.integers(1, 40))) for _ in range(5)]
+    slot = 0
+    for step in range(120):
+        op = rng.random()
+        if op < 0.6:
+            stem = stems[int(rng.integers(len(stems)))]
+            seq = np.concatenate(
+                [
+                    stem[: int(rng.integers(0, len(stem) + 1))],
+                    rng.integers(0, 50, int(rng.integers(0, 30))),
+                ]
+            )
+            if rng.random() < 0.2:
+                seq = salted_tokens(seq, "t")
+            tree.insert(seq, np.arange(slot, slot + len(seq)))
+            slot += len(seq)
+        elif op < 0.8:
+            tree.match_prefix(stems[int(rng.integers(len(stems)))])  # may split
+        else:
+            tree.evict(int(rng.integers(1, 6)))
+        assert set(tree.digest()[0]) == _recomputed(tree), step
+    assert len(tree.digest()[0]) == len(set(tree.digest()[0]))
+
+
+def test_salted_prefixes_are_not_listed():
+    tree = _tree_with([salted_tokens(np.arange(40), "tenant-a")])
+    assert tree.digest() == ([], False) and tree.total_size == 40
 
 
 def test_a_truncated_digest_stays_closed_under_prefixes():
     rng = np.random.default_rng(2)
     seqs = [rng.integers(0, 1000, 64) for _ in range(6)]
     tree = _tree_with(seqs)
-    hashes, truncated = tree.digest(BLOCK, limit=20)
+    hashes, truncated = tree.digest(limit=20)
     assert truncated and len(hashes) == 20
     held = set(hashes)
     for seq in seqs:

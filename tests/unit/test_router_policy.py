@@ -116,16 +116,36 @@ def test_prompts_sent_count_until_a_digest_asked_after_they_ended():
 
     replica = router_module.Replica("http://a", up=True)
     replica.digest = set()
-    keys = _keys(3 * DIGEST_BLOCK)
+    keys, other = _keys(3 * DIGEST_BLOCK), _keys(2 * DIGEST_BLOCK, start=10_000)
     entry = replica.sent.record(keys, math.inf)
+    later = replica.sent.record(other, math.inf)
     assert replica.cached(keys) == 3  # in flight: not in any digest yet, but sent here
-    replica.sent.forget_oldest(keep=10, before=100.0)
-    assert replica.cached(keys) == 3  # still in flight: kept
-    entry[0] = 50.0  # ended at t=50
-    replica.sent.forget_oldest(keep=10, before=40.0)  # a digest asked before it ended
+    later[0] = 10.0  # the second ended first, at t=10 ...
+    replica.sent.forget_ended(20.0)  # ... and a digest asked at t=20 lists it (or not)
+    assert replica.cached(other) == 0 and replica.cached(keys) == 3  # the first still runs
+    entry[0] = 50.0  # it ended at t=50
+    replica.sent.forget_ended(40.0)  # a digest asked before it ended
     assert replica.cached(keys) == 3
-    replica.sent.forget_oldest(keep=10, before=60.0)  # one asked after: the tree decides
-    assert replica.cached(keys) == 0 and not replica.sent.counts
+    replica.sent.forget_ended(60.0)  # one asked after: the tree decides
+    assert replica.cached(keys) == 0 and not replica.sent.counts and not replica.sent.entries
+
+
+def test_the_cached_share_counts_the_prompts_tokens_not_its_whole_blocks(router):
+    held = _keys(2 * DIGEST_BLOCK)
+    router.replicas[2].digest = set(held)
+    body = {"prompt": "p" * 500}
+    # two whole blocks of a 2.9-block prompt: 69% cached
+    assert (
+        router.choose("POST", "/v1/completions", body, [], held, int(2.9 * DIGEST_BLOCK))[2]
+        == "cached_prefix"
+    )
+    # one of a 2.1-block prompt: 48%, not more than half
+    one = held[:1] + _keys(DIGEST_BLOCK, start=500)
+    router.replicas[2].digest = set(held[:1])
+    assert (
+        router.choose("POST", "/v1/completions", body, [], one, int(2.1 * DIGEST_BLOCK))[2]
+        == "least_load"
+    )
 
 
 class _FakeReplica:
@@ -170,16 +190,29 @@ def test_the_prompt_keys_come_from_a_replica_tokenizer_under_the_salt(router):
     async def keys(path, body):
         return await router._prompt_keys(path, body, headers)
 
-    assert anyio.run(keys, "/v1/chat/completions", chat) == prefix_hashes(ids, DIGEST_BLOCK)
+    expected = (prefix_hashes(ids, DIGEST_BLOCK), len(ids))
+    assert anyio.run(keys, "/v1/chat/completions", chat) == expected
     path, _, sent_headers = fake.asked[-1]
     assert path == "/tokenize" and sent_headers["authorization"] == "Bearer k"
     assert "cookie" not in sent_headers  # only the client's credentials go along
     salted = anyio.run(keys, "/v1/completions", {"prompt": "x" * 300, "cache_salt": "t"})
-    assert salted == prefix_hashes(salted_tokens(ids, "t"), DIGEST_BLOCK) != prefix_hashes(ids)
+    assert salted[0] == prefix_hashes(salted_tokens(ids, "t"), DIGEST_BLOCK) != expected[0]
     asked = len(fake.asked)
-    assert anyio.run(keys, "/v1/completions", {"prompt": [ids]}) == prefix_hashes(ids)
+    assert anyio.run(keys, "/v1/completions", {"prompt": [ids]}) == expected
     assert len(fake.asked) == asked  # token ids given: nothing to ask
     assert anyio.run(keys, "/v1/completions", {"prompt": {"odd": 1}}) is None
+    # a salt the replica would refuse: no keys (and no error here)
+    assert anyio.run(keys, "/v1/completions", {"prompt": [ids], "cache_salt": 7}) is None
+
+
+def test_the_tokenize_request_renders_the_prompt_as_its_endpoint_does():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    chat = {"model": "m", "messages": [], "tools": tools, "add_generation_prompt": None}
+    assert Router._tokenize_body(chat, None) == {"model": "m", "messages": [], "tools": tools}
+    # tool_choice "none": the chat endpoint renders no tools, so neither does the router
+    none = Router._tokenize_body({**chat, "tool_choice": "none"}, None)
+    assert "tools" not in none and "add_generation_prompt" not in none
+    assert Router._tokenize_body({"model": "m"}, None) is None
 
 
 def test_the_digest_poll_reads_the_tree_once_per_version(router):
@@ -198,3 +231,22 @@ def test_the_digest_poll_reads_the_tree_once_per_version(router):
     fake.version = 8
     anyio.run(router._fetch_digest, replica)
     assert replica.digest == set()
+    # a replica busy for now (5xx) keeps the digest held; one without a tree (404) drops it
+    replica.digest = set(held)
+    for status, kept in ((503, set(held)), (404, None)):
+
+        def answer(request, status=status):
+            return httpx.Response(status, json={"error": {"message": "x"}})
+
+        router.probes = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        anyio.run(router._fetch_digest, replica)
+        assert replica.digest == kept, status
+    # an answer the router cannot read leaves the poll running (nothing raised)
+    router.probes = httpx.AsyncClient(
+        transport=httpx.MockTransport(
+            lambda r: httpx.Response(
+                200, text=f'{{"version": 1e999, "block_tokens": {DIGEST_BLOCK}, "hashes": ""}}'
+            )
+        )
+    )
+    anyio.run(router._fetch_digest, replica)

@@ -82,7 +82,7 @@ except importlib.metadata.PackageNotFoundError:  # running from a plain checkout
 
 HealthProbe = Callable[[], Awaitable[dict[str, str | None]]]  # actor -> None (up) or why down
 StatsProbe = Callable[[], Awaitable[tuple[SchedulerStats | None, KvStats | None]]]
-DigestProbe = Callable[[int], Awaitable[TreeDigest | None]]  # since -> digest, None: no tree
+DigestProbe = Callable[[int], Awaitable[TreeDigest | None]]  # since -> digest (None: no answer)
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -534,9 +534,11 @@ class GatewayApp:
                     since = int(value)
                 except ValueError:
                     raise ApiError(400, "since: must be an integer", param="since") from None
-        digest = await self.digest(since) if self.digest is not None else None
-        if digest is None:
+        if self.digest is None:
             raise ApiError(404, "this engine keeps no prefix cache (kv.radix is off)")
+        digest = await self.digest(since)
+        if digest is None:
+            raise ApiError(503, "the prefix cache did not answer in time; ask again")
         await send_response(send, 200, _json.encode(digest))
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
