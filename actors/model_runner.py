@@ -49,6 +49,8 @@ from transport.messages.tiers import (
     KvSaved,
     KvSpill,
     KvSpilled,
+    KvStage,
+    KvStaged,
     KvStoreContents,
     KvStoreQuery,
     PersistedSession,
@@ -72,6 +74,7 @@ class ModelRunnerActor(Actor):
         | KvStoreQuery
         | KvPersist
         | KvRestore
+        | KvStage
     )
 
     def __init__(
@@ -489,8 +492,20 @@ class ModelRunnerActor(Actor):
             finally:
                 if self.tp_group is not None and self.tp_group.broken:
                     self.spawn(self._watch_ranks)  # crashes this actor now, not at the next tick
+        if isinstance(msg, KvStage):
+            return self.reply_later(self._stage, msg.handle)
         # Tier moves run on the worker too, so they never overlap a step's forward.
         return await self._on_worker(self._tier_move, msg)
+
+    async def _stage(self, handle: int) -> KvStaged:
+        """Read a spilled entry beside the steps (a thread of its own: file reading and the
+        checksum), then hand the copy to the store on the worker, between steps."""
+        store = self.kv_store
+        if store is None:
+            return KvStaged(handle=handle, staged=False)
+        entry = await anyio.to_thread.run_sync(store.read_spilled, handle)
+        staged = entry is not None and await self._on_worker(store.put_staged, handle, entry)
+        return KvStaged(handle=handle, staged=staged)
 
     def _tier_move(self, msg):
         store = self.kv_store

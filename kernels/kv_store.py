@@ -18,6 +18,13 @@ disk, with what the ledger needs to take them back) and the files it lists survi
 process; the next start on the same folder adopts them (`adopt_manifest`) and deletes
 everything else there. Without a manifest, a stopping store deletes its folder.
 
+A spilled entry may be read ahead (`read_spilled` on any thread, then `put_staged` on the
+thread that serves the store's other calls): the verified copy waits in `staged` (at most
+MAX_STAGED of them, outside the tiers' budgets: it is a cache of a file, which stays the
+entry) until its load takes it, so a turn's disk read overlaps other requests' steps.
+Handles are never reused (the ledger counts them), so a copy staged under a handle is that
+file's.
+
 The store never decides anything: an unknown handle, or a file that is missing, truncated,
 altered or from another model, is an error the caller turns into a prefill (never into wrong
 KV), and every entry's tier and size are reported so the ledger's count can be audited.
@@ -43,6 +50,7 @@ from kernels.kv_cache import KVCache
 FILE_FORMAT = "kvactor-kv-1"
 MANIFEST_FORMAT = "kvactor-sessions-1"
 MANIFEST = "sessions.json"
+MAX_STAGED = 2  # read-ahead copies of spilled entries held at once (oldest dropped first)
 
 
 class MissingKv(KeyError):
@@ -79,6 +87,7 @@ class HostKvStore:
         self.fingerprint = fingerprint
         self.persisted: set[int] = set()  # handles a drain's manifest keeps for the next start
         self.adopted: dict[int, int] = {}  # a previous run's files, until the ledger claims them
+        self.staged: dict[int, StoredKv] = {}  # spilled entries read ahead, oldest first
 
     def save(self, handle: int, full_slots: np.ndarray, swa_slots: np.ndarray) -> int:
         """Copy the KV at these slots (full positions [0, n) in order; the sliding pool's
@@ -102,7 +111,7 @@ class HostKvStore:
         sliding pool's `swa_slots`."""
         entry = self.entries.get(handle)
         if entry is None and handle in self.on_disk:
-            entry = self._read(handle)
+            entry = self.staged.pop(handle, None) or self._read(handle)
         if entry is None:
             raise MissingKv(f"no stored KV under handle {handle}")
         end = start + len(full_slots)
@@ -118,6 +127,28 @@ class HostKvStore:
             idx = torch.from_numpy(np.ascontiguousarray(index))
             parts += [p.index_select(1, idx) for p in entry.parts[2:]]
         self.cache.write_slots(parts, full_slots, swa_slots)
+
+    def read_spilled(self, handle: int) -> StoredKv | None:
+        """A spilled entry read from its file and verified, or None (not spilled, or its
+        file failed: the load will fail the same way and the turn prefill). Touches no
+        state, so it may run beside the store's other calls."""
+        if self.disk_dir is None or handle not in self.on_disk:
+            return None
+        try:
+            return self._read(handle)
+        except CorruptKv:
+            return None
+
+    def put_staged(self, handle: int, entry: StoredKv) -> bool:
+        """Keep a `read_spilled` copy for the entry's load; False when the entry is no
+        longer spilled (loaded, dropped meanwhile)."""
+        if handle not in self.on_disk or handle in self.entries:
+            return False
+        self.staged.pop(handle, None)
+        self.staged[handle] = entry
+        while len(self.staged) > MAX_STAGED:
+            del self.staged[next(iter(self.staged))]
+        return True
 
     def spill(self, handle: int) -> int:
         """Write a host entry to its file and free the host copy; the file's bytes."""
@@ -151,6 +182,7 @@ class HostKvStore:
         freed."""
         freed = 0
         for h in handles:
+            self.staged.pop(h, None)
             entry = self.entries.pop(h, None)
             if entry is not None:
                 freed += entry.nbytes
@@ -228,6 +260,7 @@ class HostKvStore:
                     if file.name != MANIFEST and not (listed and int(file.stem) in self.persisted):
                         file.unlink(missing_ok=True)
         self.on_disk.clear()
+        self.staged.clear()
 
     def _path(self, handle: int) -> Path:
         return self.disk_dir / f"{handle}.kv"
@@ -257,5 +290,6 @@ def _checksum(tensors: dict[str, Tensor]) -> str:
         t = tensors[name].contiguous()
         digest.update(name.encode())
         digest.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes())
+        # the tensor's own buffer (no copy; hashlib lets other threads run meanwhile)
+        digest.update(t.view(torch.uint8).reshape(-1).numpy())
     return digest.hexdigest()

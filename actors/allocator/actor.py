@@ -15,10 +15,11 @@ import numpy as np
 from actors.allocator.ledger import KvLedger, SlotDelta, SwaMapDelta
 from actors.allocator.remote_port import RemotePrefixPort
 from actors.allocator.tier_port import RemoteTierPort
-from actors.runtime import Actor
+from actors.runtime import Actor, RemoteError
 from kvcore import InvariantViolation, PagePool, ReqToTokenTable, SwaPages
 from kvcore.req_kv_info import enable_write_guard
 from kvcore.tiers import KvTier, PrefixIndex, TierEntry
+from transport.channel import ChannelClosed
 from transport.messages.alloc import (
     AllocDecode,
     AllocDecodeReply,
@@ -50,6 +51,8 @@ from transport.messages.alloc import (
     SlotDeltas,
     SlotStats,
     SlotStatsRequest,
+    StageSlot,
+    StageSlotReply,
 )
 
 
@@ -92,6 +95,7 @@ class AllocatorActor(Actor):
         | SlotStatsRequest
         | OffloadSlot
         | PrefetchSlot
+        | StageSlot
         | PersistSlots
         | RestoreSlots
     )
@@ -111,6 +115,7 @@ class AllocatorActor(Actor):
         session_max_pages: int | None = None,
         host_tier_bytes: int = 0,
         disk_tier_bytes: int = 0,
+        disk_read_ahead_bytes: int = 32 << 20,  # StageSlot reads entries this big ahead
         tier_prefix_blocks: bool = False,
         runner: str = "runner",
     ) -> None:
@@ -132,6 +137,7 @@ class AllocatorActor(Actor):
         self.host_tier_bytes = host_tier_bytes
         # The disk tier below it (0: none; the runner writes its files under kv.store_dir).
         self.disk_tier_bytes = disk_tier_bytes if host_tier_bytes else 0
+        self.disk_read_ahead_bytes = disk_read_ahead_bytes
         # Evicted prefix-tree blocks go to the tiers too (needs the tree and a host tier).
         self.tier_prefix_blocks = tier_prefix_blocks and bool(host_tier_bytes) and bool(radix)
         self.runner_name = runner
@@ -141,6 +147,7 @@ class AllocatorActor(Actor):
         self.port: RemotePrefixPort | None = None
         self.idle_checks = 0
         self.idle_check_failures = 0
+        self.disk_reads_ahead = 0  # StageSlot answered staged
 
     async def on_start(self) -> None:
         self.port = (
@@ -201,6 +208,11 @@ class AllocatorActor(Actor):
             reply = await self._persist(msg)
         elif isinstance(msg, RestoreSlots):
             reply = await self._restore()
+        elif isinstance(msg, StageSlot):
+            entry = ledger.spilled_entry(msg.session_id)
+            if entry is None or entry.nbytes < self.disk_read_ahead_bytes:
+                return StageSlotReply(staged=False)
+            return self.reply_later(self._stage, entry.handle)
         elif isinstance(msg, PrefetchSlot):
             reply = PrefetchSlotReply(pool_tokens=await ledger.prefetch_slot(msg.session_id))
         elif isinstance(msg, OffloadSlot):
@@ -221,6 +233,17 @@ class AllocatorActor(Actor):
         if self.debug_checks:
             await ledger.check()
         return reply
+
+    async def _stage(self, handle: int) -> StageSlotReply:
+        """The runner reads the entry ahead, beside the mailbox (which serves on)."""
+        assert self.port_tiers is not None
+        try:
+            staged = await self.port_tiers.stage(handle)
+            self.disk_reads_ahead += staged
+            return StageSlotReply(staged=staged)
+        except (TimeoutError, RemoteError, ChannelClosed) as exc:
+            self.log.warning("a read-ahead failed; the load reads the file", error=str(exc))
+            return StageSlotReply(staged=False)
 
     async def _extend(self, msg: AllocExtend) -> AllocExtendReply:
         ledger = self.ledger
@@ -402,6 +425,7 @@ class AllocatorActor(Actor):
             block_demotes=c.block_demotes,
             block_promotes=c.block_promotes,
             block_loaded_tokens=c.block_loaded_tokens,
+            disk_reads_ahead=self.disk_reads_ahead,
         )
 
     def stats(self) -> dict[str, int | float]:

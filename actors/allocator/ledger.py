@@ -856,6 +856,14 @@ class KvLedger:
         stored = self._entry(slot.stored).length if slot.stored is not None else 0
         return pages, stored
 
+    def spilled_entry(self, sid: str) -> TierEntry | None:
+        """This session's tier entry when it is idle and its KV waits on the disk tier
+        (what a turn arriving for it would read), else None. Reads only."""
+        slot = self.slots.get(sid)
+        if slot is None or slot.turn is not None or slot.rec is not None or self.disk is None:
+            return None
+        return self.disk.entries.get(slot.stored) if slot.stored is not None else None
+
     @_ledger_op
     async def prefetch_slot(self, sid: str) -> int:
         """A client's hint: load this idle session's KV from its tier back into the pool

@@ -28,6 +28,8 @@ from transport.messages.tiers import (
     KvSaved,
     KvSpill,
     KvSpilled,
+    KvStage,
+    KvStaged,
     KvStoreContents,
     KvStoreQuery,
     PersistedSession,
@@ -53,6 +55,11 @@ class TierPort(Protocol):
 
     async def spill(self, handle: int) -> int:
         """Move the entry from host memory to the disk tier; the bytes it takes there."""
+        ...
+
+    async def stage(self, handle: int) -> bool:
+        """Have a spilled entry read ahead (beside the steps) for its coming load; whether
+        it was. Changes no ownership: the entry stays on the disk tier."""
         ...
 
     async def drop(self, handles: list[int]) -> None: ...
@@ -109,6 +116,12 @@ class RemoteTierPort:
             KvSpill(handle=handle), expect=KvSpilled, timeout=self.copy_timeout_s
         )
         return reply.nbytes
+
+    async def stage(self, handle: int) -> bool:
+        reply = await self.runner.call(
+            KvStage(handle=handle), expect=KvStaged, timeout=self.copy_timeout_s
+        )
+        return reply.staged
 
     async def drop(self, handles: list[int]) -> None:
         """Fire and forget: a drop the runner misses leaves bytes the idle audit frees."""

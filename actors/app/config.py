@@ -98,6 +98,11 @@ class KvSection(_Section):
     # the idle sessions there and the next start on the folder takes them back. "" = none.
     store_dir: str = ""
     disk_tier_bytes: int = 16 << 30
+    # A returning session whose file is at least this big is read (and verified) beside
+    # the steps before its turn is admitted, so other requests do not wait on the read; a
+    # smaller one is read inline at the admission (the wait for the read-ahead would cost
+    # the turn more than the read costs the others). 0 = read every one ahead.
+    disk_read_ahead_bytes: int = 32 << 20
     # Prefix-tree blocks the pool evicts are copied to the host tier too (the same budget
     # and LRU as sessions' KV) and loaded by any request whose prompt starts with them, so
     # a popular system prompt survives pool pressure. Needs radix and a host tier.
@@ -280,6 +285,7 @@ class EngineConfig(_Section):
             (self.sessions.max_sessions >= 0, "sessions.max_sessions must be >= 0"),
             (self.kv.host_tier_bytes >= 0, "kv.host_tier_bytes must be >= 0"),
             (self.kv.disk_tier_bytes >= 0, "kv.disk_tier_bytes must be >= 0"),
+            (self.kv.disk_read_ahead_bytes >= 0, "kv.disk_read_ahead_bytes must be >= 0"),
             (
                 0.0 <= self.sessions.max_pinned_share <= 1.0,
                 "sessions.max_pinned_share must be in [0, 1]",

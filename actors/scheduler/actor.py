@@ -19,6 +19,11 @@ Each step (continuous batching under a token budget):
      needs (finishes by length, EOS, stop ids) the scheduler has made already.
 When the engine goes idle it asks the allocator for a conservation check (`IdleCheck`).
 
+With a disk tier, a session's turn waits out of the admission order while the allocator
+has its KV read ahead from disk (`StageSlot`, answered once the runner read and verified
+the file beside its steps); the other requests run meanwhile, and the turn's admission
+then loads from memory.
+
 When the runner answers a step with an error (its step raised: out of memory, a batch it
 could not decode, ...), that step failed, not the engine: the step's requests end with
 finish reason "error" (their KV released uncached, the allocator's abort path) and every
@@ -68,6 +73,8 @@ from transport.messages.alloc import (
     KvStats,
     KvStatsRequest,
     ReleaseBatch,
+    StageSlot,
+    StageSlotReply,
 )
 from transport.messages.control import PeerCrashed
 from transport.messages.engine import (
@@ -78,6 +85,8 @@ from transport.messages.engine import (
 )
 from transport.messages.radix import PeekPrefix, PeekReply
 from transport.messages.runner import StepResultMsg
+
+STAGE_TIMEOUT_S = 30.0  # a turn waits this long at most for its KV's read-ahead
 
 
 class RunnerLost(Exception):
@@ -106,6 +115,7 @@ class SchedulerActor(Actor):
         runner_timeout_s: float = 600.0,
         sliding_window: int = 0,
         speculative: dict | None = None,
+        stage_sessions: bool = False,  # the allocator has a disk tier: read turns' KV ahead
     ) -> None:
         if policy not in tuple(Policy):
             raise ValueError(f"policy must be 'fcfs' or 'lpm', got {policy!r}")
@@ -125,6 +135,7 @@ class SchedulerActor(Actor):
             speculation=SpeculationConfig(**(speculative or {})),
         )
         self.radix = radix
+        self.stage_sessions = stage_sessions
         self.runner_timeout_s = runner_timeout_s
         self.wake = anyio.Event()
         self.step_messages = 0  # messages this scheduler sent during the current step
@@ -148,6 +159,10 @@ class SchedulerActor(Actor):
                 self.core.submit(msg.reqs)
             except DuplicateRequest as exc:
                 raise HandledError(str(exc)) from None
+            if self.stage_sessions:
+                for new in msg.reqs:
+                    if new.session_id:
+                        self._stage(self.core.reqs[new.rid])
         elif isinstance(msg, EndRequests):
             self.core.end(msg.rids, msg.reason)
         elif isinstance(msg, SchedulerStatsRequest):
@@ -160,6 +175,28 @@ class SchedulerActor(Actor):
                     self._forward_scope.cancel()  # its reply will never come
         self.wake.set()
         return None
+
+    def _stage(self, req: Req) -> None:
+        """A session's turn waits (others run) while the allocator has its KV read ahead
+        from the disk tier, so the admission's load copies from memory; at most
+        STAGE_TIMEOUT_S, after which the load reads the file itself."""
+        req.staging = True
+
+        async def stage() -> None:
+            try:
+                with anyio.move_on_after(STAGE_TIMEOUT_S):
+                    await self.alloc.call(
+                        StageSlot(session_id=req.session_id),
+                        expect=StageSlotReply,
+                        timeout=STAGE_TIMEOUT_S,
+                    )
+            except (TimeoutError, RemoteError, ChannelClosed) as exc:
+                self.log.warning("a turn's read-ahead failed", error=str(exc))
+            finally:
+                req.staging = False
+                self.wake.set()
+
+        self.spawn(stage)
 
     def stats(self) -> dict[str, int | float]:
         core = self.core
@@ -213,7 +250,7 @@ class SchedulerActor(Actor):
         decode = await self._schedule_decode(out)
         prefill = await self._schedule_prefill(sum(1 + len(r.draft) for r in decode), out)
         if not decode and not prefill:
-            action = unstick(core.running, core.prefilling, core.waiting)
+            action = unstick(core.running, core.prefilling, core.ready())
             if isinstance(action, Retract):
                 await self._retract(action.victim)
             elif isinstance(action, CutShort):

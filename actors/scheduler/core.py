@@ -250,15 +250,21 @@ class SchedulerCore:
     def continuing_chunks(self, budget: int) -> list[Chunk]:
         return policy.continuing_chunks(self.prefilling, budget, self.limits.chunk_size)
 
+    def ready(self) -> list[Req]:
+        """The waiting requests that may be admitted now (not waiting for a read-ahead)."""
+        return [r for r in self.waiting if not r.staging]
+
     def wants_admission(self, budget: int) -> bool:
         slots = self.limits.max_running - len(self.running) - len(self.prefilling)
-        return bool(self.waiting) and budget > 0 and slots > 0
+        ready = any(not r.staging for r in self.waiting)
+        return ready and budget > 0 and slots > 0
 
     def admissions(
         self, budget: int, kv: KvStats, cached_lens: Sequence[int] | None = None
     ) -> list[Chunk]:
         """First chunks of the waiting requests admitted under `kv` and `budget`."""
         order = policy.admission_order(list(self.waiting), cached_lens)
+        order = [r for r in order if not r.staging]
         picked = policy.admit(
             order, [*self.running, *self.prefilling], kv, budget, self.limits, self.ratio.value
         )

@@ -33,6 +33,7 @@ class Req:
     queued_s: float = -1.0  # seconds from submit to its first admission
     prompt_lp_next: int = 1  # with prompt_logprobs: the next prompt token whose logprob is due
     session_id: str = ""  # a streaming session's turn (its KV is restored and saved)
+    staging: bool = False  # its session's KV is being read ahead from disk: not admitted yet
     grammar_key: str = ""  # its constraint's compiled grammar, held by the runner by this key
     # Speculative decoding: this step's draft tokens (their slots reserved, not committed)
     draft: list[int] = field(default_factory=list)

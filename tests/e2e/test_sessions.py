@@ -138,6 +138,7 @@ async def test_sessions_demoted_to_a_tier_continue_exactly(tokenizer, hf_model, 
     tier, answers as HF does, and reports the history cached; the tiers and the runner's
     store agree at every idle check, and the files go with the engine."""
     disk = {"kv__host_tier_bytes": 1, "kv__store_dir": str(tmp_path)} if tier == "disk" else {}
+    disk = {**disk, "kv__disk_read_ahead_bytes": 0} if disk else {}  # read every file ahead
     # Sessions' entries only: evicted prefix-tree blocks stay out of these tiers.
     cfg = small_config(
         kv__num_pages=96, kv__tier_prefix_blocks=False, sessions__max_pinned_share=0.0, **disk
@@ -171,6 +172,8 @@ async def test_sessions_demoted_to_a_tier_continue_exactly(tokenizer, hf_model, 
         else:
             assert kv.host_tier_entries == 0 and kv.disk_tier_entries == 1
             assert kv.tier_spills == 3 and kv.disk_promotes == 2
+            # each of those turns waited while its file was read beside the steps
+            assert kv.disk_reads_ahead == 2
             assert len(list(tmp_path.rglob("*.kv"))) == 1
         assert kv.stored_tokens == (await client.get_session(sid)).held_tokens > previous
         assert kv.idle_checks > 0 and kv.idle_check_failures == 0 and kv.tier_failures == 0

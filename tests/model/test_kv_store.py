@@ -159,3 +159,41 @@ def test_another_models_manifest_adopts_nothing_and_its_files_go(tmp_path):
     other = HostKvStore(filled_cache(), tmp_path / "tier", "model-b")
     assert other.adopt_manifest() == []
     assert list((tmp_path / "tier").iterdir()) == []
+
+
+def test_a_spilled_entry_read_ahead_loads_from_memory_and_goes_with_its_entry(tmp_path):
+    cache, store, want, _ = spilled(tmp_path)
+    store.spill(4)
+    assert store.read_spilled(99) is None  # not spilled: nothing to read
+    copy = store.read_spilled(4)  # touches no state: any thread may run it
+    assert copy is not None and store.staged == {}
+    assert store.put_staged(4, copy) and store.sizes() == {4: ("disk", store.on_disk[4])}
+    (tmp_path / "tier" / "4.kv").unlink()  # the load reads nothing more from disk
+    dst_full, dst_swa = np.arange(20 * PS, 25 * PS), np.arange(14 * PS, 16 * PS)
+    store.load(4, 0, dst_full, np.arange(8), dst_swa)
+    assert all(torch.equal(a, b) for a, b in zip(kv_at(cache, 3, dst_full), want[0]))
+    assert all(torch.equal(a, b) for a, b in zip(kv_at(cache, 1, dst_swa), want[1]))
+    assert store.staged == {}  # taken by the load
+    store.drop([4])
+    assert not store.put_staged(4, copy)  # dropped meanwhile: the copy is not kept
+
+
+def test_read_ahead_copies_are_bounded_dropped_with_their_entry_and_verified(tmp_path):
+    from kernels.kv_store import MAX_STAGED
+
+    cache, store, _, _ = spilled(tmp_path)
+    for h in range(10, 10 + MAX_STAGED + 1):
+        store.save(h, np.arange(2 * PS, 4 * PS), np.arange(9 * PS, 10 * PS))
+        store.spill(h)
+        assert store.put_staged(h, store.read_spilled(h))
+    assert list(store.staged) == list(range(11, 11 + MAX_STAGED))  # the oldest went
+    store.drop([11])
+    assert 11 not in store.staged
+    path = tmp_path / "tier" / "12.kv"
+    store.staged.clear()
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert store.read_spilled(12) is None  # a damaged file is not read ahead (the load fails)
+    store.save(5, np.arange(2 * PS, 4 * PS), np.arange(9 * PS, 10 * PS))
+    assert not store.put_staged(5, store.entries[5])  # a host entry needs no read-ahead

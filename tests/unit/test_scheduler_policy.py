@@ -352,3 +352,20 @@ def test_merged_deltas_write_each_position_once_with_its_last_value():
     assert merged.slots == [10, 11, 20, 21, 22, 30, 31]
     assert dict(zip(merged.swa_full_pages, merged.swa_pages)) == {2: 9, 5: 7}
     assert len(merged.swa_full_pages) == 2
+
+
+def test_a_turn_whose_kv_is_read_ahead_waits_while_the_others_are_admitted():
+    c = core()
+    c.submit([new(1, 8), new(2, 8)])
+    c.reqs[1].staging = True  # its session's file is being read beside the steps
+    budget = c.prefill_budget(decode_tokens=0)
+    assert c.wants_admission(budget)
+    assert [ch.req.rid for ch in c.admissions(budget, kv(free=100))] == [2]
+    assert [ch.req.rid for ch in c.admissions(budget, kv(free=100), [0, 8])] == [2]  # LPM
+    assert c.ready() == [c.reqs[2]]
+    c.waiting.remove(c.reqs[2])
+    assert not c.wants_admission(budget)  # only the staging one waits: nothing to admit
+    # nothing runs: the staging turn is not "stuck" (it must not be cut short)
+    assert policy.unstick(c.running, c.prefilling, c.ready()) is None
+    c.reqs[1].staging = False  # read: admitted as any request
+    assert [ch.req.rid for ch in c.admissions(budget, kv(free=100))] == [1]

@@ -156,6 +156,7 @@ class KvStats(Message):
     block_demotes: int = 0  # evicted prefix-tree blocks copied to the host tier
     block_promotes: int = 0  # admissions that loaded prefix blocks
     block_loaded_tokens: int = 0  # positions loaded from prefix blocks (not prefilled)
+    disk_reads_ahead: int = 0  # session turns whose disk KV was read beside the steps first
 
 
 class OpenSlot(Message):
@@ -242,3 +243,15 @@ class DropCacheReply(Message):
 
 class IdleCheckReply(Message):
     problems: list[str]  # empty: every page is free or in the tree, no record, row or lock
+
+
+class StageSlot(Message):
+    """Scheduler -> allocator: a turn of this session arrived; if its idle KV is on the
+    disk tier, have the runner read it ahead (answered once read, or at once when there is
+    nothing to read). The turn waits for the answer while other requests run."""
+
+    session_id: str
+
+
+class StageSlotReply(Message):
+    staged: bool  # a disk entry was read ahead for it

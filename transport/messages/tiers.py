@@ -88,3 +88,16 @@ class KvStoreContents(Message):
     handles: list[int]
     nbytes: list[int]
     tiers: list[str] = []  # "host" or "disk", per handle
+
+
+class KvStage(Message):
+    """Allocator -> runner: read a spilled entry's file (and verify it) beside the steps,
+    so that its load, when the admission comes, copies from memory. Changes no ownership:
+    the file stays the entry; the read-ahead copy is the store's cache of it."""
+
+    handle: int
+
+
+class KvStaged(Message):
+    handle: int
+    staged: bool  # False: nothing to read (not spilled, gone) or the file failed its checks

@@ -349,6 +349,11 @@ class EngineCollector(Collector):
                         kv.disk_promotes,
                     ),
                     (
+                        "disk_tier_reads_ahead",
+                        "Session turns whose disk KV was read beside the steps before admission",
+                        kv.disk_reads_ahead,
+                    ),
+                    (
                         "prefix_block_demotes",
                         "Evicted prefix-tree blocks copied to the host tier",
                         kv.block_demotes,
