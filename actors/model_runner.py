@@ -201,6 +201,7 @@ class ModelRunnerActor(Actor):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def on_start(self) -> None:
+        self._stage_reads = anyio.Lock()  # disk read-aheads, one at a time
         self.log.info(
             "runner settings",
             device=self.device,
@@ -503,8 +504,9 @@ class ModelRunnerActor(Actor):
         store = self.kv_store
         if store is None:
             return KvStaged(handle=handle, staged=False)
-        entry = await anyio.to_thread.run_sync(store.read_spilled, handle)
-        staged = entry is not None and await self._on_worker(store.put_staged, handle, entry)
+        async with self._stage_reads:  # one file at a time: at most one copy in flight
+            read = await anyio.to_thread.run_sync(store.read_spilled, handle)
+            staged = read is not None and await self._on_worker(store.put_staged, handle, read)
         return KvStaged(handle=handle, staged=staged)
 
     def _tier_move(self, msg):

@@ -21,9 +21,9 @@ everything else there. Without a manifest, a stopping store deletes its folder.
 A spilled entry may be read ahead (`read_spilled` on any thread, then `put_staged` on the
 thread that serves the store's other calls): the verified copy waits in `staged` (at most
 MAX_STAGED of them, outside the tiers' budgets: it is a cache of a file, which stays the
-entry) until its load takes it, so a turn's disk read overlaps other requests' steps.
-Handles are never reused (the ledger counts them), so a copy staged under a handle is that
-file's.
+entry) until its load takes it, so a turn's disk read overlaps other requests' steps. A
+copy is kept only while the file it was read from is still the entry's (same inode,
+modification time and size), and never in place of another copy waiting for its load.
 
 The store never decides anything: an unknown handle, or a file that is missing, truncated,
 altered or from another model, is an error the caller turns into a prefill (never into wrong
@@ -128,27 +128,36 @@ class HostKvStore:
             parts += [p.index_select(1, idx) for p in entry.parts[2:]]
         self.cache.write_slots(parts, full_slots, swa_slots)
 
-    def read_spilled(self, handle: int) -> StoredKv | None:
-        """A spilled entry read from its file and verified, or None (not spilled, or its
-        file failed: the load will fail the same way and the turn prefill). Touches no
-        state, so it may run beside the store's other calls."""
+    def read_spilled(self, handle: int) -> tuple[StoredKv, tuple] | None:
+        """(a spilled entry read from its file and verified, the file's identity), or None
+        (not spilled, or its file failed: the load will fail the same way and the turn
+        prefill). Touches no state, so it may run beside the store's other calls."""
         if self.disk_dir is None or handle not in self.on_disk:
             return None
         try:
-            return self._read(handle)
-        except CorruptKv:
+            identity = self._identity(handle)
+            return self._read(handle), identity
+        except (CorruptKv, OSError):
             return None
 
-    def put_staged(self, handle: int, entry: StoredKv) -> bool:
+    def put_staged(self, handle: int, read: tuple[StoredKv, tuple]) -> bool:
         """Keep a `read_spilled` copy for the entry's load; False when the entry is no
-        longer spilled (loaded, dropped meanwhile)."""
-        if handle not in self.on_disk or handle in self.entries:
+        longer that spilled file (loaded, dropped, written again meanwhile) or MAX_STAGED
+        copies already wait for their loads."""
+        entry, identity = read
+        if handle not in self.on_disk or handle in self.entries or len(self.staged) >= MAX_STAGED:
             return False
-        self.staged.pop(handle, None)
+        try:
+            if self._identity(handle) != identity:
+                return False
+        except OSError:
+            return False
         self.staged[handle] = entry
-        while len(self.staged) > MAX_STAGED:
-            del self.staged[next(iter(self.staged))]
         return True
+
+    def _identity(self, handle: int) -> tuple:
+        st = self._path(handle).stat()
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def spill(self, handle: int) -> int:
         """Write a host entry to its file and free the host copy; the file's bytes."""

@@ -858,11 +858,15 @@ class KvLedger:
 
     def spilled_entry(self, sid: str) -> TierEntry | None:
         """This session's tier entry when it is idle and its KV waits on the disk tier
-        (what a turn arriving for it would read), else None. Reads only."""
+        (what a turn arriving for it would read), else None. The entry becomes the most
+        recently used (its turn is coming: the tier drops others first)."""
         slot = self.slots.get(sid)
         if slot is None or slot.turn is not None or slot.rec is not None or self.disk is None:
             return None
-        return self.disk.entries.get(slot.stored) if slot.stored is not None else None
+        entry = self.disk.entries.get(slot.stored) if slot.stored is not None else None
+        if entry is not None:
+            entry.last_used = next(self._clock)
+        return entry
 
     @_ledger_op
     async def prefetch_slot(self, sid: str) -> int:

@@ -52,7 +52,6 @@ from actors.scheduler.policy import (
     Retract,
     SchedulerLimits,
     on_decode_shortfall,
-    unstick,
 )
 from actors.scheduler.request import Req
 from actors.speculation.policy import SpeculationConfig
@@ -136,6 +135,9 @@ class SchedulerActor(Actor):
         )
         self.radix = radix
         self.stage_sessions = stage_sessions
+        # The disk tier held sessions at the last KvStats (unknown at start: a restart
+        # may have brought sessions back there).
+        self.disk_entries = True
         self.runner_timeout_s = runner_timeout_s
         self.wake = anyio.Event()
         self.step_messages = 0  # messages this scheduler sent during the current step
@@ -159,7 +161,7 @@ class SchedulerActor(Actor):
                 self.core.submit(msg.reqs)
             except DuplicateRequest as exc:
                 raise HandledError(str(exc)) from None
-            if self.stage_sessions:
+            if self.stage_sessions and self.disk_entries:
                 for new in msg.reqs:
                     if new.session_id:
                         self._stage(self.core.reqs[new.rid])
@@ -190,8 +192,8 @@ class SchedulerActor(Actor):
                         expect=StageSlotReply,
                         timeout=STAGE_TIMEOUT_S,
                     )
-            except (TimeoutError, RemoteError, ChannelClosed) as exc:
-                self.log.warning("a turn's read-ahead failed", error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - the turn goes on: its load reads the file
+                self.log.warning("a turn's read-ahead failed", error=repr(exc)[:300])
             finally:
                 req.staging = False
                 self.wake.set()
@@ -250,7 +252,7 @@ class SchedulerActor(Actor):
         decode = await self._schedule_decode(out)
         prefill = await self._schedule_prefill(sum(1 + len(r.draft) for r in decode), out)
         if not decode and not prefill:
-            action = unstick(core.running, core.prefilling, core.ready())
+            action = core.unstick()
             if isinstance(action, Retract):
                 await self._retract(action.victim)
             elif isinstance(action, CutShort):
@@ -415,6 +417,7 @@ class SchedulerActor(Actor):
                 )
                 cached_lens = peek.lengths
             kv = await self._call(self.alloc, KvStatsRequest(), expect=KvStats)
+            self.disk_entries = kv.disk_tier_entries > 0
             chunks += core.admissions(budget, kv, cached_lens)
         if not chunks:
             return []

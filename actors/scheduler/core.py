@@ -254,6 +254,11 @@ class SchedulerCore:
         """The waiting requests that may be admitted now (not waiting for a read-ahead)."""
         return [r for r in self.waiting if not r.staging]
 
+    def unstick(self) -> policy.Retract | policy.CutShort | None:
+        """Nothing could run this step: what frees the engine (a turn waiting for its
+        read-ahead is not stuck)."""
+        return policy.unstick(self.running, self.prefilling, self.ready())
+
     def wants_admission(self, budget: int) -> bool:
         slots = self.limits.max_running - len(self.running) - len(self.prefilling)
         ready = any(not r.staging for r in self.waiting)

@@ -104,7 +104,10 @@ def admission_order(waiting: Sequence[Req], cached_lens: Sequence[int] | None) -
     keep arrival order."""
     if cached_lens is None:
         return list(waiting)
-    order = sorted(range(len(waiting)), key=lambda i: -cached_lens[i])
+    # Requests that arrived after the lengths were asked for (the queue only grows at its
+    # end meanwhile) have none: 0.
+    lens = [cached_lens[i] if i < len(cached_lens) else 0 for i in range(len(waiting))]
+    order = sorted(range(len(waiting)), key=lambda i: -lens[i])
     return [waiting[i] for i in order]
 
 

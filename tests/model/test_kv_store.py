@@ -167,6 +167,7 @@ def test_a_spilled_entry_read_ahead_loads_from_memory_and_goes_with_its_entry(tm
     assert store.read_spilled(99) is None  # not spilled: nothing to read
     copy = store.read_spilled(4)  # touches no state: any thread may run it
     assert copy is not None and store.staged == {}
+    assert not store.put_staged(4, (copy[0], (0, 0, 0)))  # read from another file: refused
     assert store.put_staged(4, copy) and store.sizes() == {4: ("disk", store.on_disk[4])}
     (tmp_path / "tier" / "4.kv").unlink()  # the load reads nothing more from disk
     dst_full, dst_swa = np.arange(20 * PS, 25 * PS), np.arange(14 * PS, 16 * PS)
@@ -185,8 +186,9 @@ def test_read_ahead_copies_are_bounded_dropped_with_their_entry_and_verified(tmp
     for h in range(10, 10 + MAX_STAGED + 1):
         store.save(h, np.arange(2 * PS, 4 * PS), np.arange(9 * PS, 10 * PS))
         store.spill(h)
-        assert store.put_staged(h, store.read_spilled(h))
-    assert list(store.staged) == list(range(11, 11 + MAX_STAGED))  # the oldest went
+        stored = store.put_staged(h, store.read_spilled(h))
+        assert stored == (h < 10 + MAX_STAGED)  # full: refused, none waiting is pushed out
+    assert list(store.staged) == list(range(10, 10 + MAX_STAGED))
     store.drop([11])
     assert 11 not in store.staged
     path = tmp_path / "tier" / "12.kv"
@@ -196,4 +198,26 @@ def test_read_ahead_copies_are_bounded_dropped_with_their_entry_and_verified(tmp
     path.write_bytes(bytes(data))
     assert store.read_spilled(12) is None  # a damaged file is not read ahead (the load fails)
     store.save(5, np.arange(2 * PS, 4 * PS), np.arange(9 * PS, 10 * PS))
-    assert not store.put_staged(5, store.entries[5])  # a host entry needs no read-ahead
+    assert not store.put_staged(5, (store.entries[5], (0, 0, 0)))  # a host entry: no read-ahead
+
+
+def test_the_checksum_is_the_one_earlier_files_carry():
+    """Hashing the tensors in place gives what hashing their bytes' copies gave (the
+    format of files a drain left for the next start)."""
+    import hashlib
+
+    from kernels.kv_store import _checksum
+
+    gen = torch.Generator().manual_seed(1)
+    tensors = {
+        "part0": torch.randn(3, 5, 2, 4, generator=gen).to(torch.bfloat16),
+        "part1": torch.randn(3, 5, 2, 4, generator=gen).to(torch.bfloat16)[:, 1:],  # a view
+        "part2": torch.zeros(0, 4),
+    }
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(name.encode())
+        digest.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+    assert _checksum(tensors) == digest.hexdigest()

@@ -366,6 +366,18 @@ def test_a_turn_whose_kv_is_read_ahead_waits_while_the_others_are_admitted():
     c.waiting.remove(c.reqs[2])
     assert not c.wants_admission(budget)  # only the staging one waits: nothing to admit
     # nothing runs: the staging turn is not "stuck" (it must not be cut short)
-    assert policy.unstick(c.running, c.prefilling, c.ready()) is None
+    assert c.unstick() is None
     c.reqs[1].staging = False  # read: admitted as any request
     assert [ch.req.rid for ch in c.admissions(budget, kv(free=100))] == [1]
+
+
+def test_lpm_order_with_requests_that_arrived_after_the_peek():
+    """The scheduler peeks the tree for the waiting requests, then awaits the allocator:
+    a request submitted meanwhile has no cached length (it was an IndexError)."""
+    c = core()
+    c.submit([new(1, 8), new(2, 8)])
+    cached_lens = [0, 8]  # peeked for these two
+    c.submit([new(3, 8)])  # arrived during the awaits
+    order = policy.admission_order(list(c.waiting), cached_lens)
+    assert [r.rid for r in order] == [2, 1, 3]
+    assert [ch.req.rid for ch in c.admissions(64, kv(free=100), cached_lens)] == [2, 1, 3]

@@ -350,7 +350,7 @@ class EngineCollector(Collector):
                     ),
                     (
                         "disk_tier_reads_ahead",
-                        "Session turns whose disk KV was read beside the steps before admission",
+                        "Returning sessions' disk files read and verified beside the steps",
                         kv.disk_reads_ahead,
                     ),
                     (
