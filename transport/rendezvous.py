@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import secrets
 import socket
 import time
 
@@ -24,6 +25,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 HANDSHAKE_TIMEOUT_S = 10.0
+# This process, named in its hellos: a node asking again (its ranks restarted) is told
+# apart from another machine given the same --node-rank.
+_INSTANCE = secrets.token_hex(8)
 ZAP_DOMAIN = "kvactor-tp"
 
 
@@ -83,6 +87,7 @@ class Admission:
         the dict a node gets (a ValueError from it: the node is refused with its message).
         RendezvousError when `deadline` (time.monotonic) passes or `cancel()` is called."""
         waiting = set(nodes)
+        admitted: dict[int, str] = {}  # node rank -> the process that holds it
         while waiting:
             if self.cancelled:
                 raise RendezvousError(f"admission at {self.address} cancelled")
@@ -102,12 +107,23 @@ class Admission:
             if node not in nodes:
                 self.socket.send(json.dumps({"error": f"no node rank {node} here"}).encode())
                 continue
+            instance = str(hello.get("instance", ""))
+            if admitted.get(node, instance) != instance:
+                # Another machine (process) already holds this rank: two nodes were given
+                # the same --node-rank, and the rank missing would only show as a timeout.
+                error = (
+                    f"node rank {node} was admitted already, from another node: give each "
+                    f"node its own --node-rank (1..{max(nodes)})"
+                )
+                self.socket.send(json.dumps({"error": error}).encode())
+                continue
             try:
                 reply = answer(hello)
             except ValueError as exc:
                 self.socket.send(json.dumps({"error": str(exc)}).encode())
                 continue
             self.socket.send(json.dumps(reply).encode())
+            admitted[node] = instance
             waiting.discard(node)
 
     def close_unless_admitting(self) -> None:
@@ -160,7 +176,8 @@ def request_admission(
         sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         sock.connect(f"tcp://{host}:{port}")
-        sock.send(json.dumps({"node_rank": node_rank, **(about or {})}).encode())
+        hello = {"node_rank": node_rank, "instance": _INSTANCE, **(about or {})}
+        sock.send(json.dumps(hello).encode())
         if not sock.poll(int(HANDSHAKE_TIMEOUT_S * 1000)):
             raise RendezvousError(
                 f"{address} does not answer through CURVE within {HANDSHAKE_TIMEOUT_S:.0f} s: "

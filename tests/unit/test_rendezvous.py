@@ -88,3 +88,19 @@ def test_an_unknown_node_rank_is_refused(admission):
     _serve(node0, {1}, seconds=5)
     with pytest.raises(RendezvousError, match="no node rank 3"):
         request_admission(address, secret, 3, wait_s=5)
+
+
+def test_two_nodes_given_the_same_node_rank_are_told_so(admission, monkeypatch):
+    import transport.rendezvous as rendezvous
+
+    node0, address, secret = admission
+    outcome = _serve(node0, {1, 2})
+    assert request_admission(address, secret, 1, wait_s=5)["node"] == 1
+    # the same node asking again (its ranks restarted) is answered again
+    assert request_admission(address, secret, 1, wait_s=5)["node"] == 1
+    monkeypatch.setattr(rendezvous, "_INSTANCE", "another-machine")
+    with pytest.raises(RendezvousError, match="node rank 1 was admitted already"):
+        request_admission(address, secret, 1, wait_s=5)
+    assert request_admission(address, secret, 2, wait_s=5)["node"] == 2  # the right one joins
+    outcome[-1].join(5)
+    assert outcome == [outcome[-1]]
