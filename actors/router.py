@@ -21,7 +21,8 @@ A replica is polled (`/health`) every second; one that fails it is taken out (th
 skip it) until it answers again, and `/health` here says "degraded" (200) while at least
 one replica serves, 503 when none does. A request whose replica fails before answering
 gets 503 `replica_unavailable` (a connection gone stale is retried once first); a stream
-cut mid-way ends with an error event and `[DONE]`. A client that leaves closes the
+cut mid-way ends with an error event and `[DONE]`; requests in flight to a replica that
+stays down for CUT_AFTER_S (a hung process) end the same way. A client that leaves closes the
 replica's connection, so the replica aborts the request. `/metrics` has the router's own
 figures per replica; each replica's own `/metrics` stays on the replica.
 """
@@ -57,6 +58,7 @@ TOKENIZE_TIMEOUT_S = 1.0  # past this the request is routed by load (never held 
 MIN_TOKENIZED_CHARS = 4 * DIGEST_BLOCK  # shorter prompts rarely hold a whole block
 MAX_SENT_BLOCKS = 1024  # of a prompt sent, the record keeps this many leading blocks
 MAX_REMEMBERED_IDS = 100_000  # sessions and responses mapped to their replica
+CUT_AFTER_S = 10.0  # a replica down this long has its requests in flight ended
 NO_REPLICA = "no replica is serving"
 # Hop-by-hop and framing headers: the router frames each side itself.
 _REQUEST_DROPPED = {
@@ -152,6 +154,8 @@ class Replica:
     digest: set[int] | None = None
     digest_version: int = -1
     sent: PrefixRecord = field(default_factory=PrefixRecord)
+    down_since: float | None = None  # time.monotonic() of the first failed check in a row
+    calls: set = field(default_factory=set)  # cancel scopes of the requests in flight here
 
     def record(self, hashes: list[int]) -> None:
         """Record a prompt's text prefixes (its `block_hashes`)."""
@@ -416,39 +420,54 @@ class Router:
         )
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _REQUEST_DROPPED]
         started = streaming = False
-        try:
-            upstream = await self._send(scope["method"], url, headers, raw)
+        failure = None
+        with anyio.CancelScope() as cut:
+            replica.calls.add(cut)  # cut when the replica stays down (a hung process)
             try:
-                kept = [
-                    (k, v) for k, v in upstream.headers.raw if k.lower() not in _RESPONSE_DROPPED
-                ]
-                streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
-                await send(
-                    {"type": "http.response.start", "status": upstream.status_code, "headers": kept}
-                )
-                started = True
-                head, seen = b"", False
-                async for chunk in upstream.aiter_raw():
+                upstream = await self._send(scope["method"], url, headers, raw)
+                try:
+                    kept = [
+                        (k, v)
+                        for k, v in upstream.headers.raw
+                        if k.lower() not in _RESPONSE_DROPPED
+                    ]
+                    kind = upstream.headers.get("content-type", "")
+                    streaming = kind.startswith("text/event-stream")
+                    start = {"status": upstream.status_code, "headers": kept}
+                    await send({"type": "http.response.start", **start})
+                    started = True
+                    head, seen = b"", False
+                    async for chunk in upstream.aiter_raw():
+                        if not seen and upstream.status_code == 200:
+                            head = (head + chunk)[:8192]
+                            seen = self._remember(index, scope, head, complete=False)
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     if not seen and upstream.status_code == 200:
-                        head = (head + chunk)[:8192]
-                        seen = self._remember(index, scope, head, complete=False)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if not seen and upstream.status_code == 200:
-                    self._remember(index, scope, head, complete=True)
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                        self._remember(index, scope, head, complete=True)
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                finally:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                        await upstream.aclose()
+            except httpx.HTTPError as exc:
+                failure = f"replica {index} ({replica.url}) failed: {exc}"
             finally:
-                await upstream.aclose()
-        except httpx.HTTPError as exc:
-            _log.warning("replica failed a request", replica=replica.url, error=str(exc))
-            message = f"replica {index} ({replica.url}) failed: {exc}"
-            if not started:
-                await _error(send, 503, message, "replica_unavailable")
-            elif streaming:  # a stream cut mid-way: an error event, then the end
-                event = json.dumps({"error": {"message": message, "type": "replica_unavailable"}})
-                tail = f"data: {event}\n\ndata: [DONE]\n\n".encode()
-                await send({"type": "http.response.body", "body": tail, "more_body": False})
-            else:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                replica.calls.discard(cut)
+        if cut.cancelled_caught:
+            failure = (
+                f"replica {index} ({replica.url}) stopped answering: down for "
+                f"{CUT_AFTER_S:.0f} s with this request in flight"
+            )
+        if failure is None:
+            return
+        _log.warning("replica failed a request", replica=replica.url, error=failure)
+        if not started:
+            await _error(send, 503, failure, "replica_unavailable")
+        elif streaming:  # a stream cut mid-way: an error event, then the end
+            event = json.dumps({"error": {"message": failure, "type": "replica_unavailable"}})
+            tail = f"data: {event}\n\ndata: [DONE]\n\n".encode()
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        else:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send(self, method: str, url: str, headers, raw: bytes) -> httpx.Response:
         """The replica's response (streamed); a connection that went stale while idle is
@@ -508,6 +527,15 @@ class Router:
         if up != replica.up:
             _log.warning("replica " + ("up" if up else "down"), replica=replica.url)
         replica.up = up
+        now = time.monotonic()
+        if up or replica.down_since is None:
+            replica.down_since = None if up else now
+        elif now - replica.down_since >= CUT_AFTER_S and replica.calls:
+            # Down that long with requests in flight: a hung process (a dead one closes
+            # their connections itself). Each ends with an error, not a wait forever.
+            _log.warning("cutting requests to a hung replica", replica=replica.url)
+            for cut in list(replica.calls):
+                cut.cancel()
         if up:
             await self._fetch_digest(replica)
         else:  # a replica that comes back may be another process, with another tree

@@ -250,3 +250,77 @@ def test_the_digest_poll_reads_the_tree_once_per_version(router):
         )
     )
     anyio.run(router._fetch_digest, replica)
+
+
+# ---- a hung replica ---------------------------------------------------------------------
+
+
+class _Hangs:
+    """A replica that takes requests and never finishes them (a stopped process: its
+    connections stay open): silent, or after a stream's first event."""
+
+    def __init__(self, streaming: bool) -> None:
+        self.streaming = streaming
+
+    async def __call__(self, request):
+        import anyio
+        import httpx
+
+        if not self.streaming:
+            await anyio.sleep_forever()
+
+        class Stream(httpx.AsyncByteStream):
+            async def __aiter__(self):
+                yield b'data: {"choices": []}\n\n'
+                await anyio.sleep_forever()
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Stream())
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_requests_to_a_replica_that_stays_down_end_with_an_error(router, monkeypatch, streaming):
+    import anyio
+    import httpx
+
+    import actors.router as router_module
+
+    monkeypatch.setattr(router_module, "CUT_AFTER_S", 0.2)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(_Hangs(streaming)))
+    router.probes = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    replica = router.replicas[0]
+    sent: list[dict] = []
+    body = b'{"model": "m", "prompt": "hi", "stream": true}'
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    scope["query_string"] = b""
+
+    async def receive():
+        if not sent and not getattr(receive, "done", False):
+            receive.done = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await anyio.sleep_forever()
+
+    async def send(message):
+        sent.append(message)
+
+    async def go():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(router, scope, receive, send)
+            with anyio.fail_after(5):
+                while not replica.calls or (streaming and len(sent) < 2):
+                    await anyio.sleep(0.01)
+            await router._check(replica)  # down: from now on
+            assert replica.calls  # not cut at once (a slow health answer is not a hang)
+            await anyio.sleep(0.3)
+            await router._check(replica)  # down for longer than CUT_AFTER_S: cut
+            with anyio.fail_after(5):
+                while replica.in_flight:
+                    await anyio.sleep(0.01)
+
+    anyio.run(go)
+    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    if streaming:
+        assert sent[0]["status"] == 200
+        assert b"stopped answering" in text and text.endswith(b"data: [DONE]\n\n")
+    else:
+        assert sent[0]["status"] == 503 and b"stopped answering" in text
+    assert not replica.calls and replica.in_flight == 0
