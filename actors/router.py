@@ -345,13 +345,15 @@ class Router:
 
     def _tokenizable(self, method: str, path: str, body: dict, text: str) -> bool:
         """Worth a `/tokenize`: a prompt long enough to hold a block, whose replica is to
-        be chosen among several."""
+        be chosen among several, at least one of which lists its tree."""
         return (
             method == "POST"
             and path.rstrip("/") in TOKENIZED_PATHS
             and not isinstance(body.get("session_id"), str)
             and len(text) >= MIN_TOKENIZED_CHARS
             and sum(r.up for r in self.replicas) > 1
+            # no tree to match against (replicas without /cache_digest): the text record
+            and any(r.up and r.digest is not None for r in self.replicas)
         )
 
     async def _prompt_keys(self, path: str, body: dict, headers) -> tuple[list[int], int] | None:

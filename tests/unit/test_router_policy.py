@@ -324,3 +324,16 @@ def test_requests_to_a_replica_that_stays_down_end_with_an_error(router, monkeyp
     else:
         assert sent[0]["status"] == 503 and b"stopped answering" in text
     assert not replica.calls and replica.in_flight == 0
+
+
+def test_prompts_are_tokenized_only_where_a_tree_can_be_matched(router):
+    chat = {"messages": [{"role": "user", "content": "x" * 400}]}
+    path = "/v1/chat/completions"
+    assert not router._tokenizable("POST", path, chat, "x" * 400)  # no digest anywhere
+    router.replicas[1].digest = set()
+    assert router._tokenizable("POST", path, chat, "x" * 400)
+    assert not router._tokenizable("POST", path, chat, "x" * 100)  # too short to hold a block
+    assert not router._tokenizable("POST", path, {**chat, "session_id": "s"}, "x" * 400)
+    assert not router._tokenizable("POST", "/v1/messages", chat, "x" * 400)
+    router.replicas[0].up = router.replicas[2].up = False
+    assert not router._tokenizable("POST", path, chat, "x" * 400)  # one replica: no choice
