@@ -18,6 +18,8 @@ two compiles serve every batch and context. Invariants the callers rely on:
   being slower at two rows than at one) and T >= 2 rows. L, Ls >= 2: a size of 1 would be
   a specialization of its own, i.e. a recompile in the serving thread.
 - A padding lane indexes slot 0 (the pool's reserved padding slot) and is masked out.
+- A step whose rows would gather MAX_EXTRA_GATHER_BYTES more K/V than the eager path
+  (`extra_gather_bytes`: rows sharing a long context each gather all of it) runs eagerly.
 - Serving never compiles: after `compile()` the stance is "fail on recompile", and a step
   whose shapes would need one runs eagerly instead (logged once).
 
@@ -52,6 +54,13 @@ COMPILE_MODES = ("auto", "on", "off")
 # Steps of more new tokens than this run eagerly: the fixed costs a graph removes shrink
 # against the products as rows grow (`bin/engine bench model --compile` measures it).
 DEFAULT_MAX_TOKENS = 32
+# ... and steps whose rows would gather this many bytes of K/V more than the eager path:
+# every row gathers its own padded key lanes, so a prefill chunk over a long cached context
+# (each of its rows the whole context) costs the graph far more memory traffic than the
+# Python it saves. Gemma 3 270M's steps stay under it (draft rows at a full context gather
+# about 0.3 GiB more, and the graph still pays there); a model with 128 KiB of KV a token
+# extending a 3,300-token context by 6 rows would gather 2.5 GiB more.
+MAX_EXTRA_GATHER_BYTES = 512 << 20
 _INSTANCES = itertools.count(1)
 _CACHE_FOLDER_LOCK = threading.Lock()
 
@@ -163,6 +172,24 @@ def key_lanes(
     full, full_valid = lanes(np.zeros_like(count), count)
     sliding, sliding_valid = lanes(skip, count - skip)
     return full, full_valid, sliding, sliding_valid
+
+
+def extra_gather_bytes(
+    extend: np.ndarray, seq: np.ndarray, config, kv_elem_bytes: int
+) -> int:
+    """K/V bytes the graph's per-row key lanes (`key_lanes`) gather beyond what the eager
+    path does (each request's keys once, its prefill rows sharing them); `extend`, `seq`:
+    per request, new tokens and context length. A lower bound for eager (it pads decode
+    groups too), so an upper bound for the extra."""
+    rows = int(extend.sum())
+    lane = 2 * config.num_kv_heads * config.head_dim * kv_elem_bytes  # K and V, one layer
+    sliding = len(config.sliding_layers)
+    full = config.num_layers - sliding
+    extra = full * max(rows * max(int(seq.max()), 2) - int(seq.sum()), 0)
+    if sliding:
+        seen = np.minimum(seq, config.sliding_window)
+        extra += sliding * max(rows * max(int(seen.max()), 2) - int(seen.sum()), 0)
+    return extra * lane
 
 
 class _TokenAttention:
@@ -280,6 +307,12 @@ class CompiledStep:
     # -- serving -----------------------------------------------------------------------
     def fits(self, num_tokens: int) -> bool:
         return self.ready and num_tokens <= self.max_tokens
+
+    def pays(self, extend: np.ndarray, seq: np.ndarray) -> bool:
+        """The graph's per-row gathers stay within MAX_EXTRA_GATHER_BYTES of eager's."""
+        ex = self.executor
+        elem = ex.kv_cache.dtype.itemsize
+        return extra_gather_bytes(extend, seq, ex.config, elem) <= MAX_EXTRA_GATHER_BYTES
 
     def inputs(self, meta: AttentionMetadata, input_ids: Tensor) -> StepInputs:
         """The graph's inputs for a built step (`AttentionMetadata`)."""

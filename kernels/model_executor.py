@@ -140,7 +140,11 @@ class ModelExecutor:
         return self._body(meta, None if rows is None else meta.extra[1])
 
     def _compiles(self, batch: ForwardBatch) -> bool:
-        return self.compiled is not None and self.compiled.fits(batch.num_tokens)
+        return (
+            self.compiled is not None
+            and self.compiled.fits(batch.num_tokens)
+            and self.compiled.pays(batch.extend_lens, batch.seq_lens)
+        )
 
     def _compiled_logits(self, batch: ForwardBatch, rows: np.ndarray | None) -> Tensor | None:
         """Logits of `rows` (flat token indices; None: every token) through the compiled

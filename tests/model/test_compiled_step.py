@@ -22,6 +22,7 @@ from kernels.compiled_step import (
     cache_root,
     compile_choice,
     compile_verified_here,
+    extra_gather_bytes,
     key_lanes,
 )
 from kernels.forward_batch import ForwardBatch
@@ -294,3 +295,42 @@ def test_bench_model_times_compiled_and_eager_steps(tmp_path, capsys):
     for batch in (1, 3):
         assert f"decode batch  {batch} (context 12)" in out
     assert out.count("(compiled; eager") == 2
+
+
+def test_steps_whose_rows_would_gather_far_more_than_eager_stay_eager(executor, monkeypatch):
+    """Every row of the graph gathers its own padded key lanes: a prefill chunk over a long
+    cached context gathers that context once per row, where eager gathers it once."""
+    import types
+
+    import kernels.compiled_step as compiled_step
+
+    # Gemma 3 270M's shape: 18 layers, 15 sliding (window 512), one KV head of 256, bf16
+    gemma = types.SimpleNamespace(
+        num_layers=18, sliding_layers=tuple(range(15)), sliding_window=512,
+        num_kv_heads=1, head_dim=256,
+    )
+    one = np.array([1])
+    assert extra_gather_bytes(one, np.array([4000]), gemma, 2) == 0  # a decode row
+    # 4 drafts verified at context 2,000: 4 more rows, each with the whole context
+    drafts = extra_gather_bytes(np.array([5]), np.array([2000]), gemma, 2)
+    assert drafts == (3 * 4 * 2000 + 15 * 4 * 512) * 2 * 256 * 2
+    # 6 rows extending a 3,300-token context of a model with 128 KiB of KV a token
+    heavy = types.SimpleNamespace(
+        num_layers=16, sliding_layers=(), sliding_window=None, num_kv_heads=8, head_dim=256
+    )
+    prefill = extra_gather_bytes(np.array([6, 1]), np.array([3302, 20]), heavy, 2)
+    assert prefill == 16 * (7 * 3302 - 3322) * 2 * 8 * 256 * 2
+    assert prefill > compiled_step.MAX_EXTRA_GATHER_BYTES
+    # the executor's rule: over the bound, the step runs eagerly
+    _prefill(executor, [10, 10])
+    compiled = executor.compiled
+    monkeypatch.setattr(compiled, "max_tokens", 32)  # (another test narrows it)
+    steps = compiled.steps
+    batch = ForwardBatch([0, 1], [10, 10], [_prompt(3, 1), _prompt(1, 2)], [True, True])
+    monkeypatch.setattr(compiled_step, "MAX_EXTRA_GATHER_BYTES", 0)
+    executor.forward(batch)
+    assert compiled.steps == steps  # eager
+    monkeypatch.setattr(compiled_step, "MAX_EXTRA_GATHER_BYTES", 512 << 20)
+    batch = ForwardBatch([0, 1], [13, 11], [_prompt(3, 3), _prompt(1, 4)], [True, True])
+    executor.forward(batch)
+    assert compiled.steps == steps + 1  # within the bound: the graph
