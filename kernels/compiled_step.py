@@ -174,9 +174,7 @@ def key_lanes(
     return full, full_valid, sliding, sliding_valid
 
 
-def extra_gather_bytes(
-    extend: np.ndarray, seq: np.ndarray, config, kv_elem_bytes: int
-) -> int:
+def extra_gather_bytes(extend: np.ndarray, seq: np.ndarray, config, kv_elem_bytes: int) -> int:
     """K/V bytes the graph's per-row key lanes (`key_lanes`) gather beyond what the eager
     path does (each request's keys once, its prefill rows sharing them); `extend`, `seq`:
     per request, new tokens and context length. A lower bound for eager (it pads decode

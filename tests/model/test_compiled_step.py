@@ -306,8 +306,11 @@ def test_steps_whose_rows_would_gather_far_more_than_eager_stay_eager(executor, 
 
     # Gemma 3 270M's shape: 18 layers, 15 sliding (window 512), one KV head of 256, bf16
     gemma = types.SimpleNamespace(
-        num_layers=18, sliding_layers=tuple(range(15)), sliding_window=512,
-        num_kv_heads=1, head_dim=256,
+        num_layers=18,
+        sliding_layers=tuple(range(15)),
+        sliding_window=512,
+        num_kv_heads=1,
+        head_dim=256,
     )
     one = np.array([1])
     assert extra_gather_bytes(one, np.array([4000]), gemma, 2) == 0  # a decode row
