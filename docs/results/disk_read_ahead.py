@@ -65,6 +65,38 @@ def words(seed: int, n: int) -> str:
     return " ".join(f"w{r}" for r in random.Random(seed).choices(range(4, 2000), k=n))
 
 
+def while_streaming(client, model: str, seed: int, tokens: int, warm: int, send):
+    """(send()'s answer, a report): a `tokens`-token stream runs; once it gave `warm`
+    tokens, `send()` runs; the report has send's time, the stream's median gap and its
+    three largest gaps from then on (ms, with when each began)."""
+    stamps: list[float] = []
+
+    def stream() -> None:
+        body = {"model": model, "prompt": words(seed, 20), "max_tokens": tokens}
+        body |= {"temperature": 0, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as answer:
+            for line in answer.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.monotonic())
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    while len(stamps) < warm:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    answer = send()
+    t1 = time.monotonic()
+    thread.join()
+    pairs = list(zip(stamps, stamps[1:], strict=False))
+    top = sorted(((b - a, a - t0) for a, b in pairs if b >= t0), reverse=True)[:3]
+    report = (
+        f"{1e3 * (t1 - t0):.0f} ms; median gap "
+        f"{1e3 * statistics.median(b - a for a, b in pairs):.0f} ms; largest gaps (ms, "
+        f"began at ms): {[(round(g * 1e3), round(s * 1e3)) for g, s in top]}"
+    )
+    return answer, report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -96,33 +128,13 @@ def main() -> None:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
-        stamps: list[float] = []
 
-        def stream(seed: int = rnd) -> None:
-            body = {"model": model, "prompt": words(40000 + seed, 20), "max_tokens": 300}
-            body |= {"temperature": 0, "ignore_eos": True, "stream": True}
-            with client.stream("POST", "/v1/completions", json=body) as answer:
-                for line in answer.iter_lines():
-                    if line.startswith("data: {"):
-                        stamps.append(time.monotonic())
+        def turn_two(sid: str = sid, history: str = history) -> dict:
+            return complete(history + " w5 w6", 2, session_id=sid)
 
-        thread = threading.Thread(target=stream)
-        thread.start()
-        while len(stamps) < 40:
-            time.sleep(0.01)
-        t0 = time.monotonic()
-        turn = complete(history + " w5 w6", 2, session_id=sid)
-        t1 = time.monotonic()
-        thread.join()
-        pairs = list(zip(stamps, stamps[1:], strict=False))
-        top = sorted(((b - a, a - t0) for a, b in pairs if b >= t0), reverse=True)[:3]
+        turn, gaps = while_streaming(client, model, 40000 + rnd, 300, 40, turn_two)
         cached = turn["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
-        print(
-            f"round {rnd}: turn {1e3 * (t1 - t0):.0f} ms, cached {cached}; median gap "
-            f"{1e3 * statistics.median(b - a for a, b in pairs):.0f} ms; largest gaps (ms, "
-            f"began at ms): {[(round(g * 1e3), round(s * 1e3)) for g, s in top]}",
-            flush=True,
-        )
+        print(f"round {rnd}: turn {gaps}, cached {cached}", flush=True)
         client.delete(f"/v1/sessions/{sid}")
     metrics = client.get("/metrics").text.splitlines()
     print([m for m in metrics if "disk_tier_reads_ahead" in m and not m.startswith("#")])

@@ -13,16 +13,9 @@ between tokens from that request's arrival on, with when each began.
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
-import threading
-import time
 
 import httpx
-
-
-def words(seed: int, n: int) -> str:
-    return " ".join(f"w{r}" for r in random.Random(seed).choices(range(4, 2000), k=n))
+from disk_read_ahead import while_streaming, words  # the same folder
 
 
 def main() -> None:
@@ -42,33 +35,11 @@ def main() -> None:
     for rnd in range(args.rounds):
         history = words(900 + rnd, 3300)
         complete(history, 4)
-        stamps: list[float] = []
-
-        def stream(seed: int = rnd) -> None:
-            body = {"model": model, "prompt": words(50 + seed, 20), "max_tokens": 200}
-            body |= {"temperature": 0, "ignore_eos": True, "stream": True}
-            with client.stream("POST", "/v1/completions", json=body) as answer:
-                for line in answer.iter_lines():
-                    if line.startswith("data: {"):
-                        stamps.append(time.monotonic())
-
-        thread = threading.Thread(target=stream)
-        thread.start()
-        while len(stamps) < 30:
-            time.sleep(0.01)
-        t0 = time.monotonic()
-        hit = complete(history + " w5 w6", 2)
-        t1 = time.monotonic()
-        thread.join()
-        pairs = list(zip(stamps, stamps[1:], strict=False))
-        top = sorted(((b - a, a - t0) for a, b in pairs if b >= t0), reverse=True)[:3]
-        cached = hit["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
-        print(
-            f"round {rnd}: request {1e3 * (t1 - t0):.0f} ms, cached {cached}; median gap "
-            f"{1e3 * statistics.median(b - a for a, b in pairs):.0f} ms; largest gaps (ms, "
-            f"began at ms): {[(round(g * 1e3), round(s * 1e3)) for g, s in top]}",
-            flush=True,
+        hit, gaps = while_streaming(
+            client, model, 50 + rnd, 200, 30, lambda: complete(history + " w5 w6", 2)
         )
+        cached = hit["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
+        print(f"round {rnd}: request {gaps}, cached {cached}", flush=True)
 
 
 if __name__ == "__main__":
