@@ -202,6 +202,7 @@ class ModelRunnerActor(Actor):
 
     async def on_start(self) -> None:
         self._stage_reads = anyio.Lock()  # disk read-aheads, one at a time
+        self._spill_writes = anyio.Lock()  # disk-tier files written, one at a time
         self.log.info(
             "runner settings",
             device=self.device,
@@ -495,6 +496,8 @@ class ModelRunnerActor(Actor):
                     self.spawn(self._watch_ranks)  # crashes this actor now, not at the next tick
         if isinstance(msg, KvStage):
             return self.reply_later(self._stage, msg.handle)
+        if isinstance(msg, KvSpill):
+            return self.reply_later(self._spill, msg.handle)
         # Tier moves run on the worker too, so they never overlap a step's forward.
         return await self._on_worker(self._tier_move, msg)
 
@@ -508,6 +511,19 @@ class ModelRunnerActor(Actor):
             read = await anyio.to_thread.run_sync(store.read_spilled, handle)
             staged = read is not None and await self._on_worker(store.put_staged, handle, read)
         return KvStaged(handle=handle, staged=staged)
+
+    async def _spill(self, handle: int) -> KvSpilled:
+        """Write a host entry's file beside the steps (a thread of its own), then make it
+        the entry on the worker, between steps. A spill of a handle whose write is under
+        way waits for that write and answers its file."""
+        store = self.kv_store
+        async with self._spill_writes:
+            entry = await self._on_worker(store.spill_source, handle)
+            if entry is None:
+                return KvSpilled(handle=handle, nbytes=store.on_disk[handle])
+            partial = await anyio.to_thread.run_sync(store.write_partial, handle, entry)
+            nbytes = await self._on_worker(store.commit_spill, handle, entry, partial)
+        return KvSpilled(handle=handle, nbytes=nbytes)
 
     def _tier_move(self, msg):
         store = self.kv_store
@@ -536,8 +552,6 @@ class ModelRunnerActor(Actor):
             self._adopted = []
             store.claim([s.handle for s in found])
             return KvRestored(sessions=found)
-        if isinstance(msg, KvSpill):
-            return KvSpilled(handle=msg.handle, nbytes=store.spill(msg.handle))
         if isinstance(msg, KvDrop):
             store.drop(list(msg.handles))
             return Ack()

@@ -11,7 +11,8 @@ A spill writes an entry to `disk_dir/<handle>.kv` (safetensors: one tensor per p
 metadata holding the format, the model's fingerprint and a BLAKE2b checksum of the tensors'
 bytes) and frees the host copy; a load of a spilled entry reads and verifies it first. The
 file is written beside and renamed into place, so a crash never leaves a half file under
-the final name.
+the final name. The write may run on a thread of its own (`spill_source`, `write_partial`,
+`commit_spill`), the entry staying a host entry until the commit.
 
 On drain the runner writes a manifest (`sessions.json`: the sessions whose entries are on
 disk, with what the ledger needs to take them back) and the files it lists survive the
@@ -160,12 +161,31 @@ class HostKvStore:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def spill(self, handle: int) -> int:
-        """Write a host entry to its file and free the host copy; the file's bytes."""
+        """Write a host entry to its file and free the host copy; the file's bytes (an
+        entry already spilled: its file's)."""
+        entry = self.spill_source(handle)
+        if entry is None:
+            return self.on_disk[handle]
+        return self.commit_spill(handle, entry, self.write_partial(handle, entry))
+
+    # A spill in three steps, so that the file is written beside the steps: `spill_source`
+    # and `commit_spill` on the thread that serves the store's other calls, `write_partial`
+    # on any thread (it reads the entry's tensors, which nothing writes, and touches no
+    # state). Until the commit the entry is a host entry as any: a load reads it, a drop
+    # drops it (and the commit then deletes the file).
+    def spill_source(self, handle: int) -> StoredKv | None:
+        """The host entry to write (None: it is on disk already)."""
         if self.disk_dir is None:
             raise MissingKv("this store has no disk tier")
         entry = self.entries.get(handle)
+        if entry is None and handle in self.on_disk:
+            return None
         if entry is None:
             raise MissingKv(f"no host entry under handle {handle}")
+        return entry
+
+    def write_partial(self, handle: int, entry: StoredKv) -> Path:
+        """Write the entry's file beside its final name; that path."""
         self.disk_dir.mkdir(parents=True, exist_ok=True)
         tensors = {f"part{i}": p.contiguous() for i, p in enumerate(entry.parts)}
         metadata = {
@@ -173,10 +193,22 @@ class HostKvStore:
             "fingerprint": self.fingerprint,
             "checksum": _checksum(tensors),
         }
-        path = self._path(handle)
-        partial = path.with_suffix(".partial")
+        partial = self._path(handle).with_suffix(".partial")
         try:
             save_file(tensors, str(partial), metadata=metadata)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        return partial
+
+    def commit_spill(self, handle: int, entry: StoredKv, partial: Path) -> int:
+        """The written file becomes the entry (renamed into place, the host copy freed); its
+        bytes. An entry dropped (or written again) meanwhile keeps nothing: the file goes."""
+        if self.entries.get(handle) is not entry:
+            partial.unlink(missing_ok=True)
+            raise MissingKv(f"host entry {handle} was dropped while its file was written")
+        path = self._path(handle)
+        try:
             os.replace(partial, path)
         except BaseException:
             partial.unlink(missing_ok=True)

@@ -5,10 +5,16 @@ chunk, decode slot, cache-unfinished, finish, abort, retract, session save,
 restore and close) happens here, one message at a time. Each message carries a
 whole step's requests. In debug mode the invariant checker runs after every
 mutating message.
+
+The one ledger operation that starts beside the mailbox is a spill's second phase: the
+runner writes a disk-tier file while the mailbox serves on, and the write's end
+(`KvLedger.spill_done`) takes the same lock as a message, so it runs between two
+messages, never inside one.
 """
 
 from __future__ import annotations
 
+import anyio
 import msgspec
 import numpy as np
 
@@ -148,6 +154,7 @@ class AllocatorActor(Actor):
         self.idle_checks = 0
         self.idle_check_failures = 0
         self.disk_reads_ahead = 0  # StageSlot answered staged
+        self._ledger_lock = anyio.Lock()  # a message's handling, or a spill's end
 
     async def on_start(self) -> None:
         self.port = (
@@ -172,8 +179,31 @@ class AllocatorActor(Actor):
             disk=KvTier("disk", self.disk_tier_bytes) if self.disk_tier_bytes else None,
             prefix_blocks=PrefixIndex(self.pool.page_size) if self.tier_prefix_blocks else None,
         )
+        if self.port_tiers is not None:
+            self.ledger.spill_later = self._spill_later
+
+    def _spill_later(self, handle: int) -> None:
+        self.spawn(self._write_file, handle)
+
+    async def _write_file(self, handle: int) -> None:
+        """A spill's second phase: the runner writes the entry's file beside the steps; its
+        end is applied between two messages."""
+        try:
+            nbytes = await self.port_tiers.spill(handle)
+        except (TimeoutError, RemoteError, ChannelClosed) as exc:
+            # A drop that overtook the write is no failure; spill_done tells them apart.
+            self.log.info("a disk-tier write did not complete", handle=handle, error=str(exc))
+            nbytes = None
+        async with self._ledger_lock:
+            await self.ledger.spill_done(handle, nbytes)
+            if self.debug_checks:
+                await self.ledger.check()
 
     async def handle(self, msg, sender):
+        async with self._ledger_lock:
+            return await self._handle(msg)
+
+    async def _handle(self, msg):
         # Every batched message is all or nothing: its items are checked before any is
         # applied, so a bad item (LedgerError) leaves the whole message undone.
         ledger = self.ledger
@@ -426,6 +456,7 @@ class AllocatorActor(Actor):
             block_promotes=c.block_promotes,
             block_loaded_tokens=c.block_loaded_tokens,
             disk_reads_ahead=self.disk_reads_ahead,
+            disk_tier_writing=len(ledger.writing),
         )
 
     def stats(self) -> dict[str, int | float]:

@@ -45,6 +45,14 @@ overflow is dropped. A failed copy falls back to the pool-only behaviour: a fail
 keeps nothing, a failed spill drops, a failed load (a missing, truncated or foreign file
 included) prefills.
 
+A spill is two-phase where the ledger has `spill_later` (the allocator actor sets it): the
+entry moves to the disk tier's accounting at once, under `writing` (its host size), and the
+runner writes the file beside the steps; `spill_done` then sets the file's size (or drops
+the entry if the write failed). Meanwhile the runner's store still holds the host copy, so
+a load or drop of a writing entry works as on the host tier, and the store audit accepts
+either place for it. Writes in flight hold at most the host budget (always one): past it a
+spill waits for its file, as without `spill_later`.
+
 Prefix-tree blocks below the pool (with `prefix_blocks`, a `PrefixIndex`): a tree node the
 pool evicts is copied to the host tier first, as far as its pages have their sliding KV,
 and the index owns the copy. An admission whose session has nothing to load continues the
@@ -80,7 +88,7 @@ import inspect
 import itertools
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -263,6 +271,10 @@ class KvLedger:
     _restoring: str | None = None  # the session whose slot an admission is moving now
     # The entries an admission is loading now (never moved nor dropped meanwhile).
     _promoting: frozenset[int] = frozenset()
+    # Two-phase spills (module docstring): starts the runner's write of a disk-tier entry
+    # and has `spill_done` called with the result (None: each spill waits for its file).
+    spill_later: Callable[[int], None] | None = None
+    writing: dict[int, int] = field(default_factory=dict)  # handle -> its host bytes
     # Tier handles, unique per process (a restarted allocator never reuses a live one).
     _handles: itertools.count = field(
         default_factory=lambda: itertools.count(secrets.randbits(40) << 8)
@@ -864,6 +876,8 @@ class KvLedger:
         if slot is None or slot.turn is not None or slot.rec is not None or self.disk is None:
             return None
         entry = self.disk.entries.get(slot.stored) if slot.stored is not None else None
+        if entry is not None and entry.handle in self.writing:
+            return None  # its bytes are still in memory: the load reads no file
         if entry is not None:
             entry.last_used = next(self._clock)
         return entry
@@ -947,8 +961,10 @@ class KvLedger:
                 await self._demote(sid, slot)
                 await self._release_slot_kv(sid, slot, cache=False)
             if slot.stored is not None and slot.stored in self.host.entries:
-                if not await self._spill(slot.stored):
+                if not await self._spill(slot.stored, wait=True):
                     await self._drop_entry(slot.stored)
+            if slot.stored is not None:
+                await self._wait_written(slot.stored)
         await self._fit_host_tier()  # the disk tier's budget
         out = []
         for sid in sessions:
@@ -1079,6 +1095,7 @@ class KvLedger:
         handle = self.slots[session].stored
         entry = self._entry(handle)
         from_disk = self.disk is not None and handle in self.disk.entries
+        from_disk = from_disk and handle not in self.writing
         swa_index = swa_slots = _NO_PAGES
         if entry.alive is not None:
             saved = entry.saved_swa_positions(ps)
@@ -1108,6 +1125,7 @@ class KvLedger:
         nothing after it) and have the store free its bytes (a message the store answers
         nothing to)."""
         self._tier_with(handle).remove(handle)
+        self.writing.pop(handle, None)
         if self.prefix_blocks is not None and handle in self.prefix_blocks:
             self.prefix_blocks.remove(handle)
         else:
@@ -1161,9 +1179,19 @@ class KvLedger:
 
         return sorted((h for h in tier.entries if h not in self._promoting), key=rank)
 
-    async def _spill(self, handle: int) -> bool:
+    async def _spill(self, handle: int, wait: bool = False) -> bool:
         """Host -> disk: the runner writes the entry's bytes to a file (checksummed) and
-        frees its host copy. False: the write failed (the entry is still in the host)."""
+        frees its host copy. With `spill_later` and room among the writes in flight (and
+        not `wait`), the entry is on the disk tier at once and its file follows
+        (`spill_done`). False: the write failed (the entry is still in the host)."""
+        nbytes = self.host.entries[handle].nbytes
+        in_flight = sum(self.writing.values())
+        if self.spill_later is not None and not wait:
+            if not self.writing or in_flight + nbytes <= self.host.budget:
+                self.disk.add(self.host.remove(handle))
+                self.writing[handle] = nbytes
+                self.spill_later(handle)
+                return True
         try:
             nbytes = await self.tiers.spill(handle)
         except Exception:  # disk full, unwritable: the caller drops the entry instead
@@ -1174,6 +1202,36 @@ class KvLedger:
         self.disk.add(entry)
         self.counters.tier_spills += 1
         return True
+
+    @_ledger_op
+    async def spill_done(self, handle: int, nbytes: int | None) -> None:
+        """The runner's write of a writing entry ended: the file holds `nbytes` (the disk
+        tier then fits its budget again), or it failed (None: the entry is dropped, its
+        session prefills). An entry no longer writing (dropped, loaded, waited for) is left
+        as it is."""
+        if self.writing.pop(handle, None) is None:
+            return
+        if nbytes is None:
+            self.counters.tier_failures += 1
+            await self._drop_entry(handle)
+            return
+        entry = self.disk.entries[handle]
+        self.disk.used += nbytes - entry.nbytes
+        entry.nbytes = nbytes
+        self.counters.tier_spills += 1
+        await self._fit_host_tier()
+
+    async def _wait_written(self, handle: int) -> bool:
+        """A writing entry's file, waited for (the drain's manifest names only files);
+        False: the write failed and the entry was dropped."""
+        if handle not in self.writing:
+            return True
+        try:
+            nbytes = await self.tiers.spill(handle)  # the store joins the write under way
+        except Exception:
+            nbytes = None
+        await self.spill_done(handle, nbytes)
+        return nbytes is not None
 
     # ---- prefix-tree blocks below the pool (module docstring) ---------------------------
     async def _evict_tree(self, pages: int) -> np.ndarray:
@@ -1397,6 +1455,12 @@ class KvLedger:
             if lost:
                 problems.append(f"the runner's store lost entries {lost[:8]}; dropped")
             store = {h: v for h, v in store.items() if h in known and h not in lost}
+            for handle, host_bytes in self.writing.items():
+                # Its file is being written: the store holds the host copy until then, and
+                # may report the file's size before `spill_done` comes.
+                reported = store.get(handle)
+                if reported == ("host", host_bytes) or (reported or ("",))[0] == "disk":
+                    store[handle] = ("disk", self.disk.entries[handle].nbytes)
         entries = {sid: s.stored for sid, s in self.slots.items() if s.stored is not None}
         with_records = {sid for sid, s in self.slots.items() if s.rec is not None}
         try:

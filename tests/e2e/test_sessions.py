@@ -38,10 +38,12 @@ async def engine(anyio_backend):
 
 
 async def settled(eng: ServingEngine):
+    """Idle: no request left and no disk-tier file being written beside the steps."""
     for _ in range(200):
         s = await eng.scheduler_stats()
         if s.waiting == s.running == s.prefilling == 0:
-            break
+            if (await eng.kv_stats()).disk_tier_writing == 0:
+                break
         await anyio.sleep(0.05)
     kv = await eng.kv_stats(check_invariants=True)
     assert kv.records == 0 and kv.held_pages == 0, kv

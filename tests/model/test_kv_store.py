@@ -108,6 +108,31 @@ def test_a_spilled_entry_is_a_file_that_loads_back_bit_for_bit(tmp_path):
     assert not (tmp_path / "tier").exists()
 
 
+def test_a_file_written_beside_is_the_entry_only_once_committed(tmp_path):
+    """The three steps of a spill written on another thread: until the commit the entry is
+    a host entry (its load reads memory); an entry dropped meanwhile leaves no file."""
+    cache, store, want, host_bytes = spilled(tmp_path)
+    entry = store.spill_source(4)
+    partial = store.write_partial(4, entry)
+    assert partial.exists() and store.sizes() == {4: ("host", host_bytes)}
+    dst_full = np.arange(20 * PS, 25 * PS)
+    store.load(4, 0, dst_full, np.arange(0), np.arange(0))
+    assert all(torch.equal(a, b) for a, b in zip(kv_at(cache, 3, dst_full), want[0]))
+    nbytes = store.commit_spill(4, entry, partial)
+    assert store.sizes() == {4: ("disk", nbytes)} and not partial.exists()
+    assert store.spill_source(4) is None and store.spill(4) == nbytes  # already a file
+    # Dropped while its file is written: the commit refuses and deletes the file.
+    store.save(5, np.arange(2 * PS, 4 * PS), np.arange(0))
+    entry = store.spill_source(5)
+    partial = store.write_partial(5, entry)
+    store.drop([5])
+    with pytest.raises(MissingKv):
+        store.commit_spill(5, entry, partial)
+    assert not partial.exists() and sorted(p.name for p in partial.parent.iterdir()) == ["4.kv"]
+    with pytest.raises(MissingKv):
+        store.spill_source(5)
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "other model"])
 def test_a_damaged_or_foreign_file_is_refused_and_writes_nothing(tmp_path, damage):
     cache, store, _, _ = spilled(tmp_path)

@@ -152,10 +152,13 @@ class FakeTierPort:
         self.loads.append((handle, start, len(full)))
 
     async def spill(self, handle: int) -> int:
-        """To the 'disk': half the bytes (a compressed file, say), same contents."""
+        """To the 'disk': half the bytes (a compressed file, say), same contents; a handle
+        already there: its size (a spill that joins the write under way)."""
         if "spill" in self.fail:
             raise RuntimeError("spill failed")
         parts, nbytes = self.entries[handle]
+        if handle in self.on_disk:
+            return nbytes
         self.entries[handle] = (parts, nbytes // 2)
         self.on_disk.add(handle)
         return nbytes // 2

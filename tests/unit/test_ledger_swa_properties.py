@@ -55,7 +55,8 @@ from tests.unit.ledger_driver import (
 from tests.unit.test_ledger_properties import BASES, SETTINGS
 
 SESSIONS = ("s0", "s1")
-TIERS = ("off", "pressure", "off", "demote")  # host tier below the pool (FakeTierPort); off twice
+# Host tier below the pool (FakeTierPort); off twice. "demote_later": files written beside.
+TIERS = ("off", "pressure", "off", "demote", "demote_later")
 MODES = ("keep_prompt", "free_prompt", "keep_prompt", "off")  # the default mode twice
 LOGPROBS = st.sampled_from([False, False, False, True])  # prompt logprobs: no prefix match
 SUFFIX = st.lists(st.integers(0, 50), min_size=1, max_size=12)
@@ -68,6 +69,7 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
     step_unit = 1  # swa_free_step = drawn units * step_unit tokens
     ledger_class: type = KvLedger
     check_runner_map = True  # oracle (a), and (b) through the runner's replica
+    tier: str | None = None  # one of TIERS for every example (None: drawn)
 
     @initialize(
         pages=st.sampled_from([240, 120, 64, 24]),  # at page size 1; scaled down at 16
@@ -79,6 +81,7 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
         tier=st.sampled_from(TIERS),
     )
     def setup(self, pages, swa_share, rows, mode, window, step, tier):
+        tier = self.tier or tier
         ps = self.page_size
         num_pages = pages if ps == 1 else 4 + pages // 6
         num_swa = max(2, int(num_pages * swa_share))
@@ -94,6 +97,8 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
             self.ledger.swa_free_step = step * self.step_unit
             self.ledger.swa_free_prompt = mode == "free_prompt"
         self.kv = FakeKv(self.ledger.pool.num_slots, ps, num_swa if mode != "off" else 0)
+        self.writes_started: list[int] = []  # handles whose file the "runner" writes now
+        self.writes_ended: dict[int, int | None] = {}  # written (or failed), not yet told
         if tier != "off":
             # Tiers below the pool. "pressure": idle sessions are demoted under pressure into
             # a host tier that holds about one. "demote": every idle session is demoted at
@@ -103,10 +108,15 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
             self.ledger.prefix_blocks = PrefixIndex(ps)
             self.ledger.host = KvTier("host", 8 * 2 * self.capacity)
             self.ledger.session_max_pages = None
-            if tier == "demote":
+            if tier in ("demote", "demote_later"):
                 self.ledger.host = KvTier("host", 8 * self.capacity)
                 self.ledger.disk = KvTier("disk", 8 * 2 * self.capacity)
                 self.ledger.session_max_pages = 0
+            if tier == "demote_later":
+                # Two-phase spills (the rules below end the writes, in any order), into a
+                # host tier that holds about a quarter of one: nearly every demotion spills.
+                self.ledger.host = KvTier("host", 8 * self.capacity // 4)
+                self.ledger.spill_later = self.writes_started.append
         self.tokens: dict[int, np.ndarray] = {}  # live requests' known tokens
         self.match: dict[int, bool] = {}  # False: prompt logprobs (match_prefix=False)
         self.session: dict[int, str] = {}  # rid -> its session ("" for none)
@@ -270,8 +280,13 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
         self._check_window(
             rid, grant.row, grant.start, grant.end, f"alloc_extend [{grant.start}, {grant.end})"
         )
+        # A history promoted from a tier whose window had freed KV keeps that freed range
+        # (a record has one), so the window may free the prompt past it, as for a restore.
+        dead_history = admitting and not restored and self._rec(rid).swa_evicted_seqlen > 0
+        if dead_history:
+            event("a turn promoted a history whose window had freed KV")
         if admitting:
-            self.span[rid] = None if restored else (grant.start, len(toks))
+            self.span[rid] = None if restored or dead_history else (grant.start, len(toks))
             self.retracted.discard(rid)
         return grant
 
@@ -612,6 +627,40 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
             self.ledger.tiers.entries.clear()
             self.ledger.tiers.on_disk.clear()
 
+    # -- rules: files written beside the mailbox ("demote_later") --
+    def _advance_writes(self, data) -> None:
+        """Some of the writes under way end, in part or whole (after a whole turn, which is
+        where demotions come from, so that ends interleave with the next turns)."""
+        for _ in range(data.draw(st.integers(0, 2)) if self.writes_started else 0):
+            self.write_a_file(data, data.draw(st.sampled_from([False, False, False, True])))
+        for _ in range(data.draw(st.integers(0, 2)) if self.writes_ended else 0):
+            self.end_a_write(data)
+
+    @rule(data=st.data(), fails=st.booleans())
+    def write_a_file(self, data, fails):
+        """The store's part of a spill: the file is written (the store then reports it on
+        disk) or fails; a handle dropped meanwhile fails as the store's commit does."""
+        if not self.writes_started:
+            return
+        handle = self.writes_started.pop(data.draw(st.integers(0, len(self.writes_started) - 1)))
+        port = self.ledger.tiers
+        event("a file is written beside the mailbox")
+        if fails or handle not in port.entries:
+            self.writes_ended[handle] = None
+        else:
+            self.writes_ended[handle] = run_sync(port.spill(handle))
+
+    @rule(data=st.data())
+    def end_a_write(self, data):
+        """The ledger's part: `spill_done`, in any order, however late."""
+        if not self.writes_ended:
+            return
+        handle = data.draw(st.sampled_from(sorted(self.writes_ended)))
+        nbytes = self.writes_ended.pop(handle)
+        if handle in self.ledger.writing:
+            event("a file written beside" if nbytes is not None else "a write failed")
+        run_sync(self.ledger.spill_done(handle, nbytes))
+
     # -- rules: sessions --
     @rule(
         sid=st.sampled_from(SESSIONS),
@@ -686,6 +735,7 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
         self._decode_steps(rid, steps, token)
         if rid in self.tokens and rid not in self.retracted:
             self._finish(rid)
+        self._advance_writes(data)
 
     # -- oracles after every rule --
     @invariant()
@@ -755,6 +805,12 @@ class SpeculativeSwaLedgerMachine(SwaLedgerMachinePage16):
             self._speculative_steps(data, data.draw(st.sampled_from(cands)), steps, token)
 
 
+class SpillLaterLedgerMachine(SwaLedgerMachinePage16):
+    """Every example demotes into tiers whose files are written beside the mailbox."""
+
+    tier = "demote_later"
+
+
 TestSwaLedgerPage1 = SwaLedgerMachine.TestCase
 TestSwaLedgerPage1.settings = SETTINGS
 TestSwaLedgerPage16 = SwaLedgerMachinePage16.TestCase
@@ -818,3 +874,7 @@ def test_cache_unfinished_and_the_checker_agree_on_the_window_the_next_chunk_rea
         reads = row[max(0, grant.start - window + 1) : grant.end]
         assert (ledger.swa.map[reads // ps] > 0).all()  # what the chunk reads is there
         check()
+
+
+TestSpillLaterLedger = SpillLaterLedgerMachine.TestCase
+TestSpillLaterLedger.settings = SETTINGS

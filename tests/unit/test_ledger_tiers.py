@@ -391,3 +391,118 @@ def test_a_refused_turn_keeps_an_entry_it_cannot_use_and_a_granted_one_drops_it(
     d.ledger.forget(50)
     g = d.extend(2, prompt, session="s")
     assert g.cached_len == 8 and d.ledger.slots["s"].stored is None and d.port.entries == {}
+
+
+class Writes:
+    """The allocator's two-phase spill, driven by hand: the ledger starts files (`started`),
+    the test ends them, the store's part (`write`) and the ledger's (`done`) apart."""
+
+    def __init__(self, d: Driver) -> None:
+        self.d = d
+        self.started: list[int] = []
+        d.ledger.spill_later = self.started.append
+
+    def write(self, handle: int) -> int:
+        return run_sync(self.d.port.spill(handle))
+
+    def done(self, handle: int, nbytes: int | None) -> None:
+        run_sync(self.d.ledger.spill_done(handle, nbytes))
+        self.d.check()
+
+
+def test_a_spill_moves_the_entry_to_disk_at_once_and_its_file_follows():
+    d = with_disk(Driver(), host_budget=8 * 40)  # one 35-position entry fits in the host
+    writes = Writes(d)
+    a = demoted_session(d, "a", seed=1)
+    b = demoted_session(d, "b", seed=2)
+    ha, hb = d.ledger.slots["a"].stored, d.ledger.slots["b"].stored
+    # The ledger moved "a" without waiting: its bytes are still the store's host copy.
+    assert writes.started == [ha] and d.ledger.writing == {ha: 8 * 35}
+    assert list(d.ledger.disk.entries) == [ha] and list(d.ledger.host.entries) == [hb]
+    assert d.ledger.disk.used == 8 * 35 and d.port.on_disk == set()
+    assert d.ledger.counters.tier_spills == 0
+    d.check()  # the audit takes the host copy for the entry being written
+    nbytes = writes.write(ha)
+    d.check()  # ... and the file, before the ledger hears of it
+    writes.done(ha, nbytes)
+    assert d.ledger.writing == {} and d.ledger.disk.used == 8 * 35 // 2
+    assert d.ledger.counters.tier_spills == 1
+    writes.done(ha, nbytes)  # told twice: nothing changes
+    assert d.ledger.disk.used == 8 * 35 // 2 and d.ledger.counters.tier_spills == 1
+    d.evict_tree()
+    for rid, sid, hist in ((3, "a", a), (4, "b", b)):
+        prompt = np.concatenate([hist, toks(rid, 3)])
+        g = d.extend(rid, prompt, session=sid)
+        assert g.cached_len == 35
+        d.kv.assert_row_holds(g.row, prompt, len(prompt))
+    assert d.ledger.counters.disk_promotes == 1 and d.ledger.stored_tokens() == 0
+
+
+def test_a_turn_loads_an_entry_whose_file_is_being_written_from_memory():
+    d = with_disk(Driver(), host_budget=8 * 40)
+    writes = Writes(d)
+    a = demoted_session(d, "a", seed=1)
+    demoted_session(d, "b", seed=2)
+    ha = d.ledger.slots["a"].stored
+    assert d.ledger.spilled_entry("a") is None  # no read-ahead: the bytes are in memory
+    d.evict_tree()
+    prompt = np.concatenate([a, toks(3, 3)])
+    g = d.extend(3, prompt, session="a")
+    assert g.cached_len == 35 and d.ledger.counters.disk_promotes == 0
+    d.kv.assert_row_holds(g.row, prompt, len(prompt))
+    assert d.ledger.writing == {} and ha not in d.port.entries
+    writes.done(ha, None)  # the store found the entry dropped: no failure, nothing moves
+    assert d.ledger.counters.tier_failures == 0 and d.ledger.counters.tier_drops == 0
+
+
+def test_a_failed_write_drops_the_entry_and_the_session_prefills():
+    d = with_disk(Driver(), host_budget=8 * 40)
+    writes = Writes(d)
+    a = demoted_session(d, "a", seed=1)
+    demoted_session(d, "b", seed=2)
+    ha = d.ledger.slots["a"].stored
+    writes.done(ha, None)  # disk full
+    assert d.ledger.slots["a"].stored is None and ha not in d.port.entries
+    assert d.ledger.counters.tier_failures == 1 and d.ledger.disk.used == 0
+    d.evict_tree()
+    g = d.extend(3, np.concatenate([a, toks(3, 3)]), session="a")
+    assert g.cached_len == 0
+
+
+def test_a_file_larger_than_its_host_copy_fits_the_disk_budget_again():
+    d = with_disk(Driver(), host_budget=8 * 40, disk_budget=8 * 35)
+    writes = Writes(d)
+    demoted_session(d, "a", seed=1)
+    demoted_session(d, "b", seed=2)
+    ha = d.ledger.slots["a"].stored
+    writes.write(ha)
+    writes.done(ha, 8 * 35 + 100)  # the file's header: over the disk's budget
+    assert d.ledger.slots["a"].stored is None and d.ledger.disk.used == 0
+    assert d.ledger.counters.tier_drops == 1
+
+
+def test_files_being_written_hold_at_most_the_host_budget_past_the_first():
+    d = with_disk(Driver(), host_budget=8 * 40)
+    writes = Writes(d)
+    demoted_session(d, "a", seed=1)
+    demoted_session(d, "b", seed=2)  # "a" is written beside
+    demoted_session(d, "c", seed=3)  # "b" would make 2 x 280 bytes in flight: it waits
+    ha, hb = d.ledger.slots["a"].stored, d.ledger.slots["b"].stored
+    assert writes.started == [ha] and d.ledger.writing == {ha: 8 * 35}
+    assert hb in d.port.on_disk and hb in d.ledger.disk.entries
+    assert d.ledger.counters.tier_spills == 1
+    d.check()
+
+
+def test_a_drain_waits_for_the_files_being_written():
+    d = with_disk(Driver(), host_budget=8 * 40)
+    writes = Writes(d)
+    demoted_session(d, "a", seed=1)
+    demoted_session(d, "b", seed=2)
+    ha = d.ledger.slots["a"].stored
+    kept = run_sync(d.ledger.persist_sessions(["a", "b"]))
+    assert sorted(sid for sid, _ in kept) == ["a", "b"] and d.ledger.writing == {}
+    assert {e.handle for _, e in kept} <= d.port.on_disk  # the manifest names only files
+    d.check()
+    writes.done(ha, 8 * 35 // 2)  # the write's own end comes late: nothing changes
+    assert d.ledger.counters.tier_spills == 2

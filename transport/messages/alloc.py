@@ -157,6 +157,7 @@ class KvStats(Message):
     block_promotes: int = 0  # admissions that loaded prefix blocks
     block_loaded_tokens: int = 0  # positions loaded from prefix blocks (not prefilled)
     disk_reads_ahead: int = 0  # session turns whose disk KV was read beside the steps first
+    disk_tier_writing: int = 0  # disk-tier entries whose file is being written
 
 
 class OpenSlot(Message):

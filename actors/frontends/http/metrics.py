@@ -308,6 +308,12 @@ class EngineCollector(Collector):
                         m,
                         kv.disk_tier_entries,
                     )
+                    yield _gauge(
+                        f"{OWN}disk_tier_files_writing",
+                        "Disk-tier entries whose file is being written (still in memory)",
+                        m,
+                        kv.disk_tier_writing,
+                    )
                 yield _gauge(
                     f"{OWN}prefix_blocks_in_tiers",
                     "Evicted prefix-tree blocks the host and disk tiers keep",
