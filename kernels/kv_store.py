@@ -207,13 +207,12 @@ class HostKvStore:
         if self.entries.get(handle) is not entry:
             partial.unlink(missing_ok=True)
             raise MissingKv(f"host entry {handle} was dropped while its file was written")
-        path = self._path(handle)
         try:
-            os.replace(partial, path)
+            nbytes = partial.stat().st_size
+            os.replace(partial, self._path(handle))
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
-        nbytes = path.stat().st_size
         del self.entries[handle]
         self.on_disk[handle] = nbytes
         return nbytes

@@ -190,7 +190,7 @@ class AllocatorActor(Actor):
         end is applied between two messages."""
         try:
             nbytes = await self.port_tiers.spill(handle)
-        except (TimeoutError, RemoteError, ChannelClosed) as exc:
+        except Exception as exc:  # whatever went wrong, the ledger hears of it
             # A drop that overtook the write is no failure; spill_done tells them apart.
             self.log.info("a disk-tier write did not complete", handle=handle, error=str(exc))
             nbytes = None

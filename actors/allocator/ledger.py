@@ -50,8 +50,8 @@ entry moves to the disk tier's accounting at once, under `writing` (its host siz
 runner writes the file beside the steps; `spill_done` then sets the file's size (or drops
 the entry if the write failed). Meanwhile the runner's store still holds the host copy, so
 a load or drop of a writing entry works as on the host tier, and the store audit accepts
-either place for it. Writes in flight hold at most the host budget (always one): past it a
-spill waits for its file, as without `spill_later`.
+either place for it. Writes in flight hold at most the host budget and MAX_WRITING_BYTES
+(always one): past it a spill waits for its file, as without `spill_later`.
 
 Prefix-tree blocks below the pool (with `prefix_blocks`, a `PrefixIndex`): a tree node the
 pool evicts is copied to the host tier first, as far as its pages have their sliding KV,
@@ -157,6 +157,11 @@ def _ledger_op(fn):
             return fn(*args, **kwargs)
 
     return run
+
+
+# Host copies of disk-tier entries whose files are being written, at most (past the first):
+# memory above the host tier's budget, and a queue each write waits behind.
+MAX_WRITING_BYTES = 256 << 20
 
 
 class LedgerError(Exception):
@@ -963,8 +968,8 @@ class KvLedger:
             if slot.stored is not None and slot.stored in self.host.entries:
                 if not await self._spill(slot.stored, wait=True):
                     await self._drop_entry(slot.stored)
-            if slot.stored is not None:
-                await self._wait_written(slot.stored)
+        for handle in list(self.writing):  # the disk tier's budget counts files only
+            await self._wait_written(handle)
         await self._fit_host_tier()  # the disk tier's budget
         out = []
         for sid in sessions:
@@ -1187,7 +1192,8 @@ class KvLedger:
         nbytes = self.host.entries[handle].nbytes
         in_flight = sum(self.writing.values())
         if self.spill_later is not None and not wait:
-            if not self.writing or in_flight + nbytes <= self.host.budget:
+            bound = min(self.host.budget, MAX_WRITING_BYTES)
+            if not self.writing or in_flight + nbytes <= bound:
                 self.disk.add(self.host.remove(handle))
                 self.writing[handle] = nbytes
                 self.spill_later(handle)
@@ -1209,7 +1215,7 @@ class KvLedger:
         tier then fits its budget again), or it failed (None: the entry is dropped, its
         session prefills). An entry no longer writing (dropped, loaded, waited for) is left
         as it is."""
-        if self.writing.pop(handle, None) is None:
+        if self.writing.pop(handle, None) is None or handle not in self.disk.entries:
             return
         if nbytes is None:
             self.counters.tier_failures += 1
@@ -1459,8 +1465,12 @@ class KvLedger:
                 # Its file is being written: the store holds the host copy until then, and
                 # may report the file's size before `spill_done` comes.
                 reported = store.get(handle)
-                if reported == ("host", host_bytes) or (reported or ("",))[0] == "disk":
-                    store[handle] = ("disk", self.disk.entries[handle].nbytes)
+                entry = self.disk.entries.get(handle) if self.disk is not None else None
+                if entry and (reported == ("host", host_bytes) or (reported or ("",))[0] == "disk"):
+                    store[handle] = ("disk", entry.nbytes)
+        not_on_disk = sorted(set(self.writing) - set(self.disk.entries if self.disk else ()))
+        if not_on_disk:
+            problems.append(f"files {not_on_disk[:8]} are being written for no disk-tier entry")
         entries = {sid: s.stored for sid, s in self.slots.items() if s.stored is not None}
         with_records = {sid for sid, s in self.slots.items() if s.rec is not None}
         try:

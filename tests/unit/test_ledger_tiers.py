@@ -315,6 +315,18 @@ def with_disk(d: Driver, host_budget: int, disk_budget: int = 1 << 20) -> Driver
     return d
 
 
+def both_promote(d: Driver, a: np.ndarray, b: np.ndarray) -> None:
+    """Sessions "a" (its entry on disk) and "b" (in the host tier) each load their whole
+    history back, with the tree holding none of it."""
+    d.evict_tree()
+    for rid, sid, hist in ((3, "a", a), (4, "b", b)):
+        prompt = np.concatenate([hist, toks(rid, 3)])
+        g = d.extend(rid, prompt, session=sid)
+        assert g.cached_len == 35
+        d.kv.assert_row_holds(g.row, prompt, len(prompt))
+    assert d.ledger.counters.disk_promotes == 1 and d.ledger.stored_tokens() == 0
+
+
 def test_the_host_tier_overflows_to_the_disk_tier_and_both_promote():
     d = with_disk(Driver(), host_budget=8 * 40)  # one 35-position entry fits in the host
     a = demoted_session(d, "a", seed=1)
@@ -323,13 +335,7 @@ def test_the_host_tier_overflows_to_the_disk_tier_and_both_promote():
     assert list(d.ledger.disk.entries) == [ha] and list(d.ledger.host.entries) == [hb]
     assert d.port.on_disk == {ha} and d.ledger.disk.used == 8 * 35 // 2  # the file's size
     assert d.ledger.counters.tier_spills == 1 and d.ledger.counters.tier_drops == 0
-    d.evict_tree()
-    for rid, sid, hist in ((3, "a", a), (4, "b", b)):
-        prompt = np.concatenate([hist, toks(rid, 3)])
-        g = d.extend(rid, prompt, session=sid)
-        assert g.cached_len == 35
-        d.kv.assert_row_holds(g.row, prompt, len(prompt))
-    assert d.ledger.counters.disk_promotes == 1 and d.ledger.stored_tokens() == 0
+    both_promote(d, a, b)
 
 
 def test_the_disk_tier_drops_its_least_recent_past_its_budget_and_a_failed_spill_drops():
@@ -410,11 +416,18 @@ class Writes:
         self.d.check()
 
 
-def test_a_spill_moves_the_entry_to_disk_at_once_and_its_file_follows():
-    d = with_disk(Driver(), host_budget=8 * 40)  # one 35-position entry fits in the host
+def a_writing(host_budget: int = 8 * 40, disk_budget: int = 1 << 20):
+    """Sessions "a" and "b" demoted into a host tier that holds one of them: "a" moved to
+    the disk tier, its file being written. (driver, writes, a's history, b's history)."""
+    d = with_disk(Driver(), host_budget, disk_budget)
     writes = Writes(d)
     a = demoted_session(d, "a", seed=1)
     b = demoted_session(d, "b", seed=2)
+    return d, writes, a, b
+
+
+def test_a_spill_moves_the_entry_to_disk_at_once_and_its_file_follows():
+    d, writes, a, b = a_writing()
     ha, hb = d.ledger.slots["a"].stored, d.ledger.slots["b"].stored
     # The ledger moved "a" without waiting: its bytes are still the store's host copy.
     assert writes.started == [ha] and d.ledger.writing == {ha: 8 * 35}
@@ -429,20 +442,11 @@ def test_a_spill_moves_the_entry_to_disk_at_once_and_its_file_follows():
     assert d.ledger.counters.tier_spills == 1
     writes.done(ha, nbytes)  # told twice: nothing changes
     assert d.ledger.disk.used == 8 * 35 // 2 and d.ledger.counters.tier_spills == 1
-    d.evict_tree()
-    for rid, sid, hist in ((3, "a", a), (4, "b", b)):
-        prompt = np.concatenate([hist, toks(rid, 3)])
-        g = d.extend(rid, prompt, session=sid)
-        assert g.cached_len == 35
-        d.kv.assert_row_holds(g.row, prompt, len(prompt))
-    assert d.ledger.counters.disk_promotes == 1 and d.ledger.stored_tokens() == 0
+    both_promote(d, a, b)
 
 
 def test_a_turn_loads_an_entry_whose_file_is_being_written_from_memory():
-    d = with_disk(Driver(), host_budget=8 * 40)
-    writes = Writes(d)
-    a = demoted_session(d, "a", seed=1)
-    demoted_session(d, "b", seed=2)
+    d, writes, a, _ = a_writing()
     ha = d.ledger.slots["a"].stored
     assert d.ledger.spilled_entry("a") is None  # no read-ahead: the bytes are in memory
     d.evict_tree()
@@ -456,10 +460,7 @@ def test_a_turn_loads_an_entry_whose_file_is_being_written_from_memory():
 
 
 def test_a_failed_write_drops_the_entry_and_the_session_prefills():
-    d = with_disk(Driver(), host_budget=8 * 40)
-    writes = Writes(d)
-    a = demoted_session(d, "a", seed=1)
-    demoted_session(d, "b", seed=2)
+    d, writes, a, _ = a_writing()
     ha = d.ledger.slots["a"].stored
     writes.done(ha, None)  # disk full
     assert d.ledger.slots["a"].stored is None and ha not in d.port.entries
@@ -470,10 +471,7 @@ def test_a_failed_write_drops_the_entry_and_the_session_prefills():
 
 
 def test_a_file_larger_than_its_host_copy_fits_the_disk_budget_again():
-    d = with_disk(Driver(), host_budget=8 * 40, disk_budget=8 * 35)
-    writes = Writes(d)
-    demoted_session(d, "a", seed=1)
-    demoted_session(d, "b", seed=2)
+    d, writes, _, _ = a_writing(disk_budget=8 * 35)
     ha = d.ledger.slots["a"].stored
     writes.write(ha)
     writes.done(ha, 8 * 35 + 100)  # the file's header: over the disk's budget
@@ -482,10 +480,7 @@ def test_a_file_larger_than_its_host_copy_fits_the_disk_budget_again():
 
 
 def test_files_being_written_hold_at_most_the_host_budget_past_the_first():
-    d = with_disk(Driver(), host_budget=8 * 40)
-    writes = Writes(d)
-    demoted_session(d, "a", seed=1)
-    demoted_session(d, "b", seed=2)  # "a" is written beside
+    d, writes, _, _ = a_writing()  # "a" is written beside
     demoted_session(d, "c", seed=3)  # "b" would make 2 x 280 bytes in flight: it waits
     ha, hb = d.ledger.slots["a"].stored, d.ledger.slots["b"].stored
     assert writes.started == [ha] and d.ledger.writing == {ha: 8 * 35}
@@ -495,10 +490,7 @@ def test_files_being_written_hold_at_most_the_host_budget_past_the_first():
 
 
 def test_a_drain_waits_for_the_files_being_written():
-    d = with_disk(Driver(), host_budget=8 * 40)
-    writes = Writes(d)
-    demoted_session(d, "a", seed=1)
-    demoted_session(d, "b", seed=2)
+    d, writes, _, _ = a_writing()
     ha = d.ledger.slots["a"].stored
     kept = run_sync(d.ledger.persist_sessions(["a", "b"]))
     assert sorted(sid for sid, _ in kept) == ["a", "b"] and d.ledger.writing == {}
@@ -506,3 +498,5 @@ def test_a_drain_waits_for_the_files_being_written():
     d.check()
     writes.done(ha, 8 * 35 // 2)  # the write's own end comes late: nothing changes
     assert d.ledger.counters.tier_spills == 2
+    d.ledger.writing[ha + 1000] = 8  # a write for no entry: the check names it
+    assert any(str(ha + 1000) in p for p in d.problems())
