@@ -1189,13 +1189,12 @@ class KvLedger:
         frees its host copy. With `spill_later` and room among the writes in flight (and
         not `wait`), the entry is on the disk tier at once and its file follows
         (`spill_done`). False: the write failed (the entry is still in the host)."""
-        nbytes = self.host.entries[handle].nbytes
-        in_flight = sum(self.writing.values())
         if self.spill_later is not None and not wait:
+            host_bytes = self.host.entries[handle].nbytes
             bound = min(self.host.budget, MAX_WRITING_BYTES)
-            if not self.writing or in_flight + nbytes <= bound:
+            if not self.writing or sum(self.writing.values()) + host_bytes <= bound:
                 self.disk.add(self.host.remove(handle))
-                self.writing[handle] = nbytes
+                self.writing[handle] = host_bytes
                 self.spill_later(handle)
                 return True
         try:
@@ -1464,9 +1463,9 @@ class KvLedger:
             for handle, host_bytes in self.writing.items():
                 # Its file is being written: the store holds the host copy until then, and
                 # may report the file's size before `spill_done` comes.
-                reported = store.get(handle)
+                tier, nbytes = store.get(handle, ("", 0))
                 entry = self.disk.entries.get(handle) if self.disk is not None else None
-                if entry and (reported == ("host", host_bytes) or (reported or ("",))[0] == "disk"):
+                if entry is not None and (tier == "disk" or (tier, nbytes) == ("host", host_bytes)):
                     store[handle] = ("disk", entry.nbytes)
         not_on_disk = sorted(set(self.writing) - set(self.disk.entries if self.disk else ()))
         if not_on_disk:
