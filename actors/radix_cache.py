@@ -49,8 +49,8 @@ class RadixCacheActor(Actor):
         | TreeDigestRequest
     )
 
-    def __init__(self, page_size: int) -> None:
-        self.tree = RadixTree(page_size)
+    def __init__(self, page_size: int, sliding_window: int = 0) -> None:
+        self.tree = RadixTree(page_size, window=sliding_window)
         self._digest: TreeDigest | None = None  # the last one made (of its version)
         # Digest versions of this process: a restarted tree never repeats an older one.
         self._epoch = secrets.randbits(20) << 40
@@ -121,11 +121,16 @@ class RadixCacheActor(Actor):
             return TreeDigest(version=version, block_tokens=self.tree.digest_block, unchanged=True)
         if self._digest is None or self._digest.version != version:
             hashes, truncated = self.tree.digest()  # kept as the tree changes: a copy
+            dead = self.tree.dead_ends()
+            if truncated:
+                listed = set(hashes)
+                dead = [h for h in dead if h in listed]
             self._digest = TreeDigest(
                 version=version,
                 block_tokens=self.tree.digest_block,
                 hashes=pack(hashes),
                 truncated=truncated,
+                dead=pack(dead),
             )
         return self._digest
 

@@ -153,6 +153,9 @@ class Replica:
     # request ended (inf while in flight); a digest asked for after that lists it.
     digest: set[int] | None = None
     digest_version: int = -1
+    # Of the digest, the prefixes no request resumes right after (their sliding window's KV
+    # is gone: `RadixTree.dead_ends`); a match backs off past them.
+    dead_ends: set[int] = field(default_factory=set)
     sent: PrefixRecord = field(default_factory=PrefixRecord)
     down_since: float | None = None  # time.monotonic() of the first failed check in a row
     calls: set = field(default_factory=set)  # cancel scopes of the requests in flight here
@@ -168,8 +171,13 @@ class Replica:
 
     def cached(self, tokens: list[int]) -> int:
         """How many leading blocks of a prompt's token keys (its `prefix_hashes`) this
-        replica's tree holds, or will once the prompts sent since its digest ran."""
-        held = matched_blocks(tokens, self.digest) if self.digest is not None else 0
+        replica's tree holds and a request can resume after, or will once the prompts
+        sent since its digest ran."""
+        held = 0
+        if self.digest is not None:
+            held = matched_blocks(tokens, self.digest)
+            while held and tokens[held - 1] in self.dead_ends:
+                held -= 1
         return max(held, self.sent.matched(tokens))
 
     def total(self) -> int:
@@ -566,7 +574,9 @@ class Router:
                 replica.digest, replica.digest_version = None, -2
                 return
             if not data.get("unchanged"):
-                replica.digest = unpack(base64.b64decode(data.get("hashes", "")))
+                digest = unpack(base64.b64decode(data.get("hashes", "")))
+                replica.dead_ends = unpack(base64.b64decode(data.get("dead") or ""))
+                replica.digest = digest
                 replica.digest_version = int(data["version"])
         except Exception as exc:  # noqa: BLE001 - the health poll must outlive any answer
             _log.info("cache digest not read", replica=replica.url, error=repr(exc)[:200])

@@ -48,6 +48,7 @@ class _Node:
         "last_access",
         "depth",
         "hashes",
+        "dead",
     )
 
     def __init__(
@@ -68,8 +69,11 @@ class _Node:
         self.lock_ref = 0
         self.last_access = 0
         self.depth = 0  # tokens on the path above this node
-        # `prefix_digest` hashes of the digest blocks that end inside this node's key
+        # `prefix_digest` hashes of the digest blocks that end inside this node's key, and
+        # per hash whether its end is a *dead end*: the sliding window a query right after it
+        # reads has a dead page, so no request resumes there (see `RadixTree.dead_ends`)
         self.hashes: list[int] = []
+        self.dead: list[bool] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,11 +137,15 @@ class TreeSnapshot:
 class RadixTree:
     ROOT_ID = 0
 
-    def __init__(self, page_size: int, digest_block: int = DIGEST_BLOCK) -> None:
+    def __init__(self, page_size: int, digest_block: int = DIGEST_BLOCK, window: int = 0) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
         self.page_size = page_size
         self.digest_block = digest_block
+        # The sliding window whose KV the pages' alive state tracks (0: none, no dead ends).
+        self.window = window
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
         self._root = _Node(self.ROOT_ID, _EMPTY, _EMPTY, None)
@@ -146,8 +154,10 @@ class RadixTree:
         self.evictable_size = 0  # tokens in unlocked nodes
         self.protected_size = 0  # tokens in locked nodes
         self.version = 0  # goes up whenever the set of cached prefixes changes
-        # Every node's `hashes`, counted (kept as nodes come and go: a digest is a copy).
+        # Every node's `hashes`, counted (kept as nodes come and go: a digest is a copy),
+        # and those of them that are dead ends.
         self._digest: dict[int, int] = {}
+        self._dead: dict[int, int] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -199,6 +209,13 @@ class RadixTree:
             out += node.hashes
             stack += node.children.values()
         return out[:limit], True
+
+    def dead_ends(self) -> list[int]:
+        """The digest's hashes whose prefix no request can resume from: a query right after
+        its end reads the sliding window [end - window + 1, end), and a page of that window
+        is dead (the ledger's `_swa_usable` rule). A request whose prompt matches such a
+        prefix reuses only up to the last end before it that is not dead (or nothing)."""
+        return list(self._dead)
 
     def locked_node_ids(self) -> list[int]:
         return [i for i, n in self._nodes.items() if n.lock_ref > 0 and i != self.ROOT_ID]
@@ -329,6 +346,8 @@ class RadixTree:
                 out.append(node.value[k * ps : (k + 1) * ps].copy())
                 node.value[k * ps : (k + 1) * ps] = val[p : p + ps]
                 node.alive[k] = True
+        if out:
+            self._refresh_dead_below(node)
         return out
 
     # ---- the allocator's two compound operations ------------------------------------------
@@ -422,9 +441,10 @@ class RadixTree:
             del parent.children[self._child_key(node.key, 0)]
             del self._nodes[nid]
             for h in node.hashes:
-                left = self._digest.pop(h) - 1
-                if left:
-                    self._digest[h] = left
+                _uncount(self._digest, h)
+            for h, dead in zip(node.hashes, node.dead, strict=True):
+                if dead:
+                    _uncount(self._dead, h)
             self.evictable_size -= len(node.key)
             got += len(node.key)
             if self._is_evictable_leaf(parent):
@@ -454,6 +474,56 @@ class RadixTree:
         leaf.hashes = extend_hashes(prev, key[start : leaf.depth + len(leaf.key)], block)
         for h in leaf.hashes:
             self._digest[h] = self._digest.get(h, 0) + 1
+        leaf.dead = [False] * len(leaf.hashes)
+        self._set_dead(leaf)
+
+    def _dead_flags(self, node: _Node) -> list[bool]:
+        """Per hash of `node`: its block's end is a dead end (`dead_ends`)."""
+        if not self.window or not node.hashes:
+            return [False] * len(node.hashes)
+        ps, block, window = self.page_size, self.digest_block, self.window
+        first_end = (node.depth // block + 1) * block
+        lo = max(first_end - window + 1, 0) // ps * ps  # the first position any end reads
+        parts, top = [], node
+        while True:  # the pages' alive state from `lo` to the node's end, along its path
+            parts.append(top.alive)
+            if top.depth <= lo or top.parent is self._root:
+                break
+            top = top.parent
+        if all(a.all() for a in parts):
+            return [False] * len(node.hashes)
+        alive = np.concatenate(parts[::-1])
+        base = top.depth // ps
+        return [
+            not alive[max(e - window + 1, 0) // ps - base : -(-e // ps) - base].all()
+            for e in range(first_end, first_end + len(node.hashes) * block, block)
+        ]
+
+    def _set_dead(self, node: _Node) -> bool:
+        """Recompute `node.dead` (and the counted set); whether any flag changed."""
+        flags = self._dead_flags(node)
+        if flags == node.dead:
+            return False
+        for h, was, now in zip(node.hashes, node.dead, flags, strict=True):
+            if was and not now:
+                _uncount(self._dead, h)
+            elif now and not was:
+                self._dead[h] = self._dead.get(h, 0) + 1
+        node.dead = flags
+        return True
+
+    def _refresh_dead_below(self, node: _Node) -> None:
+        """After `node`'s pages came alive: its ends and those below it whose window can
+        reach its pages (a node starting a window or more past its end cannot)."""
+        if not self.window:
+            return
+        reach = node.depth + len(node.key) + self.window
+        changed, stack = False, [node]
+        while stack:
+            n = stack.pop()
+            changed |= self._set_dead(n)
+            stack += [c for c in n.children.values() if c.depth < reach]
+        self.version += changed
 
     def _is_evictable_leaf(self, node: _Node) -> bool:
         return node is not self._root and not node.children and node.lock_ref == 0
@@ -485,6 +555,7 @@ class RadixTree:
         upper.depth = child.depth
         ends = (child.depth + m) // self.digest_block - child.depth // self.digest_block
         upper.hashes, child.hashes = child.hashes[:ends], child.hashes[ends:]
+        upper.dead, child.dead = child.dead[:ends], child.dead[ends:]
         child.depth += m
         child.key = child.key[m:].copy()
         child.value = child.value[m:].copy()
@@ -494,3 +565,9 @@ class RadixTree:
         parent.children[self._child_key(upper.key, 0)] = upper
         self._nodes[upper.id] = upper
         return upper
+
+
+def _uncount(counts: dict[int, int], key: int) -> None:
+    left = counts.pop(key) - 1
+    if left:
+        counts[key] = left

@@ -363,7 +363,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
             ActorSpec(
                 "radix",
                 "actors.radix_cache:RadixCacheActor",
-                dict(page_size=kv.page_size),
+                dict(page_size=kv.page_size, sliding_window=window),
                 group=group("radix", "main"),
             ),
         )

@@ -408,6 +408,36 @@ async def test_cache_digest_lists_the_trees_prefixes_behind_the_key():
     assert status == 400 and json.loads(body)["error"]["param"] == "since"
 
 
+async def test_cache_digest_marks_the_prefixes_whose_sliding_window_is_gone():
+    import base64
+
+    import numpy as np
+
+    from actors.radix_cache import RadixCacheActor
+    from kvcore.prefix_digest import DIGEST_BLOCK, prefix_hashes, unpack
+
+    radix = RadixCacheActor(page_size=16, sliding_window=DIGEST_BLOCK)
+    tokens = np.arange(4 * DIGEST_BLOCK)
+    # the window freed the first two blocks' sliding KV
+    radix.tree.insert(tokens, np.arange(len(tokens)), alive=np.arange(16) >= 8)
+
+    async def digest(since):
+        return radix.digest(since)
+
+    app = _app(FakeGenerateClient(), api_key=KEY_A, digest=digest)
+    status, body = await _request(app, "GET", "/cache_digest", key=KEY_A)
+    answer = json.loads(body)
+    chain = prefix_hashes(tokens)
+    assert unpack(base64.b64decode(answer["hashes"])) == set(chain)
+    # ends 64 and 128 read dead pages; 192 reads [129, 192), alive
+    assert unpack(base64.b64decode(answer["dead"])) == set(chain[:2])
+    # a digest cut short lists only dead ends among the prefixes it lists
+    radix.tree.insert(tokens + 5000, np.arange(1000, 1000 + len(tokens)), alive=np.zeros(16, bool))
+    radix.tree.digest = lambda limit=1: (chain[:1], True)
+    cut = radix.digest(-1)
+    assert cut.truncated and unpack(cut.dead) == set(chain[:1])
+
+
 async def test_cache_digest_without_a_prefix_cache_is_a_404_naming_why():
     status, body = await _request(_app(FakeGenerateClient()), "GET", "/cache_digest")
     assert status == 404 and "kv.radix" in json.loads(body)["error"]["message"]

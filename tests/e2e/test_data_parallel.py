@@ -142,6 +142,36 @@ def test_the_router_reads_the_replicas_own_trees(router):
     assert _routed(router)[(target, "cached_prefix")] == routed + 1
 
 
+def test_a_prefix_past_the_sliding_window_is_not_routed_as_cached(router):
+    """Gemma 3's sliding layers free an answer's KV once the window (512 tokens) passes
+    it. A prompt that shares that answer's start but not its end would be prefilled from
+    the beginning (the window its next query reads is gone): the replica's digest marks
+    those prefixes as dead ends, and the router does not count them as cached."""
+    import base64
+
+    from kvcore.prefix_digest import unpack
+
+    target = httpx.get(f"{router.base_url}/health", timeout=5).json()["replicas"][0]
+    story = "Once upon a time, in a small village by the sea,"
+    body = {"model": MODEL_NAME, "prompt": story, "max_tokens": 720, "temperature": 0}
+    body["ignore_eos"] = True
+    long = httpx.post(f"{target}/v1/completions", json=body, headers=router.auth, timeout=300)
+    assert long.status_code == 200, long.text
+    text = long.json()["choices"][0]["text"]
+    digest = httpx.get(f"{target}/cache_digest", headers=router.auth, timeout=5).json()
+    assert len(unpack(base64.b64decode(digest.get("dead") or ""))) >= 4, digest
+    deadline = time.monotonic() + 10
+    while _cached_prefixes(router)[target] < 10:  # the router has read that digest
+        assert time.monotonic() < deadline, _cached_prefixes(router)
+        time.sleep(0.2)
+    edited = story + text[: len(text) // 2] + " And then, suddenly, everything changed."
+    routed = _routed(router).get((target, "cached_prefix"), 0)
+    answer = _complete(router, edited)
+    assert _routed(router).get((target, "cached_prefix"), 0) == routed, _routed(router)
+    # right: wherever it went (idle replicas: likely the target), no block of it was reused
+    assert _cached(answer) < 64, answer["usage"]
+
+
 def test_a_client_that_leaves_frees_its_replica(router):
     """A stream dropped by its client after the first event: the router closes the
     replica's connection (so the replica aborts), nothing stays in flight, and the next

@@ -16,12 +16,20 @@ import numpy as np
 from actors.allocator.ledger import KvLedger, SlotDelta
 from actors.allocator.prefix_port import LocalPrefixPort, run_sync  # noqa: F401 (re-exported)
 from kvcore import PagePool, RadixTree, ReqToTokenTable
+from kvcore.prefix_digest import prefix_hashes
 
 
 def make_ledger(
-    num_pages: int, page_size: int, rows: int, capacity: int, radix: bool = True, cls=KvLedger
+    num_pages: int,
+    page_size: int,
+    rows: int,
+    capacity: int,
+    radix: bool = True,
+    cls=KvLedger,
+    **tree_options,
 ):
-    tree = RadixTree(page_size) if radix else None
+    """A ledger on fresh pools, and its prefix tree (`tree_options`: RadixTree's)."""
+    tree = RadixTree(page_size, **tree_options) if radix else None
     ledger = cls(
         PagePool(num_pages, page_size),
         ReqToTokenTable(rows, capacity),
@@ -175,3 +183,29 @@ class FakeTierPort:
             h: ("disk" if h in self.on_disk else "host", nbytes)
             for h, (_, nbytes) in self.entries.items()
         }
+
+
+def expected_dead_ends(tree: RadixTree, resumable) -> set[int]:
+    """The tree's dead ends by brute force: every whole digest block of every unsalted
+    path, kept where `resumable(path_slots, path_alive, end)` says no request resumes right
+    after the block's end (`path_alive`: per page of the path)."""
+    snap = tree.snapshot()
+    index = {nid: i for i, nid in enumerate(snap.ids)}
+    block, out = tree.digest_block, set()
+    for i, nid in enumerate(snap.ids):
+        chain = []
+        while nid != RadixTree.ROOT_ID:
+            chain.append(index[nid])
+            nid = snap.parents[index[nid]]
+        chain.reverse()
+        key = np.concatenate([snap.keys[j] for j in chain])
+        if int(key[0]) >> 32:
+            continue  # a salted namespace: not in the digest
+        slots = np.concatenate([snap.values[j] for j in chain])
+        alive = np.concatenate([snap.alive[j] for j in chain])
+        depth = len(key) - len(snap.keys[i])
+        for k, h in enumerate(prefix_hashes(key, block)):
+            end = (k + 1) * block
+            if end > depth and not resumable(slots, alive, end):
+                out.add(h)
+    return out

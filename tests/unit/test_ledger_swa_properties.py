@@ -27,6 +27,8 @@ Oracles, besides `check_invariants` after every rule:
 (e) with `swa_free_prompt` False, the prompt positions a request computed itself and still
     owns (not handed to the tree) keep their sliding KV while it runs (a restored turn is
     exempt: its history may already be gone);
+(f) the prefix tree's digest marks as dead ends exactly the block ends the ledger would
+    not resume a request after (`_swa_usable`, on the ledger's own sliding map);
 and a refused admission or decode changes no pool, map or tree (its deltas may only carry
 unmaps), and the records are exactly the requests holding KV or waiting after a retraction.
 
@@ -48,6 +50,7 @@ from tests.unit.ledger_driver import (
     FakeKv,
     FakeTierPort,
     RequestViews,
+    expected_dead_ends,
     is_map_delta,
     make_ledger,
     run_sync,
@@ -85,13 +88,19 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
         ps = self.page_size
         num_pages = pages if ps == 1 else 4 + pages // 6
         num_swa = max(2, int(num_pages * swa_share))
-        self.ledger, self.tree = make_ledger(
-            num_pages, ps, rows, self.capacity, cls=self.ledger_class
-        )
         self.mode = mode
-        self.window = 0
+        self.window = window * self.window_unit if mode != "off" else 0
+        # digest blocks of a few pages, so the tree's dead ends are checked (oracle (f))
+        self.ledger, self.tree = make_ledger(
+            num_pages,
+            ps,
+            rows,
+            self.capacity,
+            cls=self.ledger_class,
+            digest_block=4 if ps == 1 else ps,
+            window=self.window,
+        )
         if mode != "off":
-            self.window = window * self.window_unit
             self.ledger.swa = SwaPages(num_pages, num_swa, ps)
             self.ledger.window = self.window
             self.ledger.swa_free_step = step * self.step_unit
@@ -745,6 +754,16 @@ class SwaLedgerMachine(RequestViews, RuleBasedStateMachine):
         run_sync(self.ledger.check())
         if self.ledger.host is not None:
             assert run_sync(self.ledger._tier_problems(audit_store=True)) == []
+        # (f) the digest's dead ends are the prefixes the ledger would not resume after
+        ledger = self.ledger
+
+        def resumable(slots, alive, end):
+            return ledger._swa_usable(slots[:end], end) == end
+
+        dead = set(self.tree.dead_ends())
+        assert dead == expected_dead_ends(self.tree, resumable)
+        if dead:
+            event("the digest has dead ends")
         holding = set(self._held())
         assert set(self.ledger.records) == holding | self.retracted, (
             f"records {sorted(self.ledger.records)} but requests holding KV or retracted "

@@ -8,6 +8,7 @@ import pytest
 from kvcore import RadixTree
 from kvcore.prefix_digest import matched_blocks, pack, prefix_hashes, unpack
 from kvcore.salt import salted_tokens
+from tests.unit.ledger_driver import expected_dead_ends
 
 BLOCK = 8
 
@@ -160,3 +161,82 @@ def test_hashes_pinned_to_known_values():
     # a change here breaks routing between a router and replicas of different versions
     assert prefix_hashes(np.arange(4), 4) == [7802164138452766617]
     assert prefix_hashes([5, 2**40 + 7, 3, 1], 2) == [14982924274886903334, 18004310441798214830]
+
+
+# ---- dead ends: where a sliding window's KV is gone ------------------------------------
+
+
+def _window_rule(window: int, page_size: int):
+    """The ledger's `_swa_usable` rule: a request resumes right after `end` when every page
+    of the window its next query reads, [end - window + 1, end), has its sliding KV."""
+
+    def resumable(slots, alive, end) -> bool:
+        first = max(end - window + 1, 0) // page_size
+        return bool(alive[first : -(-end // page_size)].all())
+
+    return resumable
+
+
+def test_a_prefix_whose_window_is_gone_is_a_dead_end():
+    # positions [0, 20) lost their sliding KV to the window (an output decoded past it)
+    tree = RadixTree(1, digest_block=4, window=8)
+    seq = np.arange(100, 132)
+    alive = np.arange(32) >= 20
+    tree.insert(seq, np.arange(32), alive=alive)
+    chain = prefix_hashes(seq, 4)  # ends 4, 8, ..., 32
+    # end 24 reads [17, 24): dead; end 28 reads [21, 28): whole
+    assert set(tree.dead_ends()) == set(chain[:6])
+    assert set(tree.digest()[0]) == set(chain)
+    # a fresh request over the same tokens with its own live KV heals the tree's pages
+    version = tree.version
+    tree.insert(seq, np.arange(40, 72))
+    assert tree.dead_ends() == [] and tree.version == version + 1
+
+
+def test_no_window_no_dead_ends():
+    tree = RadixTree(1, digest_block=4)
+    tree.insert(np.arange(32), np.arange(32), alive=np.zeros(32, dtype=bool))
+    assert tree.dead_ends() == [] and len(tree.digest()[0]) == 8
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_dead_ends_equal_the_window_rule_through_inserts_heals_splits_and_evictions(
+    seed, page_size
+):
+    rng = np.random.default_rng(seed)
+    window = int(rng.integers(2, 12))
+    block = 2 * page_size
+    tree = RadixTree(page_size, digest_block=block, window=window)
+    rule = _window_rule(window, page_size)
+    stems = [rng.integers(0, 20, int(rng.integers(4, 48))) for _ in range(4)]
+    slot, locked = 0, []
+    for step in range(150):
+        op = rng.random()
+        if op < 0.55:
+            stem = stems[int(rng.integers(len(stems)))]
+            seq = np.concatenate(
+                [
+                    stem[: int(rng.integers(0, len(stem) + 1))],
+                    rng.integers(0, 20, int(rng.integers(0, 24))),
+                ]
+            )
+            if rng.random() < 0.1:
+                seq = salted_tokens(seq, "t")
+            pages = len(seq) // page_size
+            # a request's row: pages the window passed are dead, sometimes all alive
+            dead_below = int(rng.integers(0, pages + 1)) if rng.random() < 0.7 else 0
+            alive = np.arange(pages) >= dead_below
+            res = tree.insert(seq, np.arange(slot, slot + len(seq)), alive=alive)
+            slot += len(seq)
+            if res.node_id != tree.ROOT_ID and rng.random() < 0.2:
+                tree.inc_lock_ref(res.node_id)  # a locked node is never healed
+                locked.append(res.node_id)
+        elif op < 0.7:
+            tree.match_prefix(stems[int(rng.integers(len(stems)))])  # may split
+        elif op < 0.8 and locked:
+            tree.dec_lock_ref(locked.pop(int(rng.integers(len(locked)))))
+        else:
+            tree.evict(int(rng.integers(1, 6)))
+        assert set(tree.dead_ends()) == expected_dead_ends(tree, rule), step
+        assert set(tree.dead_ends()) <= set(tree.digest()[0])

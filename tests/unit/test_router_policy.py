@@ -252,6 +252,38 @@ def test_the_digest_poll_reads_the_tree_once_per_version(router):
     anyio.run(router._fetch_digest, replica)
 
 
+def test_a_prefix_whose_sliding_window_is_gone_is_not_counted_as_cached(router):
+    """A replica resumes a prompt only where the window its next query reads still has its
+    sliding KV (Gemma 3's sliding layers): the digest marks the prefixes past which none
+    does, and the router counts a match only up to the last one it can resume after."""
+    import anyio
+    import httpx
+    import msgspec
+    import numpy as np
+
+    from actors.radix_cache import RadixCacheActor
+
+    radix = RadixCacheActor(page_size=16, sliding_window=128)
+    history = np.arange(1000, 1000 + 6 * DIGEST_BLOCK)
+    # an answer decoded past the window: its first 256 positions lost their sliding KV
+    radix.tree.insert(history, np.arange(len(history)), alive=np.arange(len(history) // 16) >= 16)
+    body = msgspec.json.decode(msgspec.json.encode(radix.digest(-1)))
+
+    def answer(request):
+        return httpx.Response(200, json=body)
+
+    router.probes = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    replica = router.replicas[0]
+    anyio.run(router._fetch_digest, replica)
+    assert len(replica.digest) == 6
+    whole = prefix_hashes(np.concatenate([history, np.arange(64)]), DIGEST_BLOCK)
+    edited = prefix_hashes(np.concatenate([history[:320], np.arange(128)]), DIGEST_BLOCK)
+    assert replica.cached(whole) == 6  # the window before position 384 is whole
+    # five blocks match, but the window before position 320 reads dead pages, and so does
+    # every earlier one: the replica would prefill this prompt from the start
+    assert replica.cached(edited) == 0
+
+
 # ---- a hung replica ---------------------------------------------------------------------
 
 

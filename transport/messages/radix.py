@@ -111,3 +111,6 @@ class TreeDigest(Message):
     unchanged: bool = False
     hashes: bytes = b""  # little-endian uint64s, parents before children
     truncated: bool = False  # the tree holds more than a digest lists
+    # Of `hashes`, the dead ends (`RadixTree.dead_ends`: no request resumes right after
+    # them, their sliding window's KV is gone), little-endian uint64s
+    dead: bytes = b""
