@@ -37,6 +37,7 @@ from kernels.compiled_step import cache_root as compile_cache_root
 from kernels.cuda_graphs import GRAPH_BACKENDS
 from kernels.grammar import ByteLRU
 from kernels.host_memory import keep_freed_memory
+from kernels.q8_0_head import kernel_status as q8_0_kernel_status
 from transport.messages.control import Ack
 from transport.messages.runner import ForwardBatchMsg, GrammarLoaded, LoadGrammar, StepResultMsg
 from transport.messages.tiers import (
@@ -307,6 +308,8 @@ class ModelRunnerActor(Actor):
             linear=self.linear,
             linear_reason=self.linear_reason,
             lm_head_plan=self.executor.lm_head.plan,
+            lm_head_ms=self.executor.lm_head.calibration_ms or None,
+            q8_0_kernel=q8_0_kernel_status(),
             weights_bytes=measured_weight_bytes(model, self.executor.lm_head),
         )
         self.sampler = Sampler()

@@ -48,10 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.q8_0_head import Q8_0Weight
+from kernels.q8_0_head import kernel as q8_0_kernel
+from kernels.q8_0_head import kernel_status as q8_0_kernel_status
 from kernels.quant import QuantizedWeight
 from kernels.timing import timed_runs
 
-BACKENDS = ("aten", "onednn", "numpy", "fp16")
+BACKENDS = ("aten", "onednn", "numpy", "fp16", "q8_0")
 APPROXIMATE_BACKENDS = ("int8", "int4")
 DEFAULT_CALIBRATION_SIZES = (1, 8, 32)
 # fp16_plan's buckets: calls of up to ~22 rows (nearest in log scale to 16) take the fp16
@@ -96,7 +99,9 @@ class LmHead:
         calibration_sizes: Sequence[int] = DEFAULT_CALIBRATION_SIZES,
         quantized_activations: torch.dtype | None = None,
         quantized: QuantizedWeight | None = None,  # the approximate backend's weight, made
-    ) -> None:  # already (a loader read it straight from quantized blocks)
+        # already (a loader read it straight from quantized blocks)
+        q8_0: Q8_0Weight | None = None,  # the GGUF's own Q8_0 blocks of this weight
+    ) -> None:
         if weight.dim() != 2:
             raise ValueError(f"lm_head weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
         on_cpu = weight.device.type == "cpu"
@@ -124,8 +129,14 @@ class LmHead:
         unknown = sorted(named - set(choices))
         if unknown:
             raise ValueError(f"unknown lm_head backend {unknown[0]!r}; choose from {choices}")
-        if "fp16" in named and not named <= {"fp16", "onednn"}:
+        if "fp16" in named and not named <= {"fp16", "onednn", "q8_0"}:
             raise ValueError(f"a plan with fp16 may pair it with onednn only, got {backend}")
+        if q8_0 is not None and q8_0.shape != tuple(weight.shape):
+            raise ValueError(f"Q8_0 blocks of {q8_0.shape} for a {tuple(weight.shape)} weight")
+        if "q8_0" in named and q8_0 is None:
+            raise ValueError("the q8_0 lm_head backend needs the weight's Q8_0 blocks")
+        # in the kernel's own layout (the row-major blocks are not kept)
+        self._q8_0 = q8_0.packed() if q8_0 is not None and q8_0_kernel() is not None else None
         # a stand-in of one element (stride 0) beside a quantized weight stays as it is
         self.weight = weight.detach() if quantized is not None else weight.detach().contiguous()
         self.final_softcap = final_softcap
@@ -156,6 +167,7 @@ class LmHead:
             "fp16": self._fp16_kernel,
             "int8": self._quantized_kernel,
             "int4": self._quantized_kernel,
+            "q8_0": self._q8_0_kernel,
         }
 
         # plan: bucket batch size -> backend name; a call uses the bucket nearest its N.
@@ -172,10 +184,14 @@ class LmHead:
             self.calibration_ms = {}
             chosen = backend if backend != "auto" else self._fixed_choice()
             self.plan = {1: chosen}
+        if q8_0 is not None and given_plan is not None and "q8_0" not in named:
+            self.plan = self._with_q8_0(self.plan)
         if "onednn" not in self.plan.values():
             self._packed = None  # release the copies nobody uses
         if "fp16" not in self.plan.values():
             self._fp16 = None
+        if "q8_0" not in self.plan.values():
+            self._q8_0 = None
 
     def release_exact_weight(self) -> Tensor:
         """Let go of the full-precision weight of a head whose plan is quantized only (an
@@ -210,13 +226,13 @@ class LmHead:
             names.append("numpy")
         if self._fp16 is not None:
             names.append("fp16")
+        if self._q8_0 is not None:
+            names.append("q8_0")
         return names
 
     def backend_for(self, n: int) -> str:
         """Backend the plan uses for a batch of ``n`` rows (nearest bucket in log scale)."""
-        sizes = self.plan.keys()
-        bucket = min(sizes, key=lambda s: (abs(math.log2(max(n, 1) / s)), -s))
-        return self.plan[bucket]
+        return _bucket_backend(self.plan, n)
 
     @torch.no_grad()
     def __call__(self, hidden: Tensor) -> Tensor:
@@ -259,6 +275,31 @@ class LmHead:
         assert self._fp16 is not None
         logits = torch.ops.quantized.linear_dynamic_fp16(rows.float(), self._fp16)
         return logits if self.weight.dtype == torch.float32 else logits.to(self.weight.dtype)
+
+    def _q8_0_kernel(self, rows: Tensor) -> Tensor:
+        if self._q8_0 is None:
+            raise RuntimeError(f"the Q8_0 kernel is unavailable: {q8_0_kernel_status()}")
+        logits = self._q8_0.product(rows)
+        return logits if self.weight.dtype == torch.float32 else logits.to(self.weight.dtype)
+
+    def _with_q8_0(self, plan: dict[int, str]) -> dict[int, str]:
+        """`plan` with the Q8_0 kernel in place of the fp16 copy, where it ran faster here
+        at both ends of the calls the copy serves (one row, and the copy's largest bucket;
+        best of 3, the times kept in `calibration_ms`); else unchanged. All or nothing, so
+        the head never holds both copies (the memory plan counts the fp16 one)."""
+        narrow = sorted(n for n, name in plan.items() if name == "fp16")
+        if self._q8_0 is None or self._fp16 is None or not narrow:
+            return plan
+        generator = torch.Generator().manual_seed(0)
+        for n in sorted({1, narrow[-1]}):
+            rows = torch.randn(n, self.hidden_size, generator=generator).to(self.weight.dtype)
+            self.calibration_ms[n] = {
+                name: min(timed_runs(lambda k=self._kernels[name]: k(rows), 3)) * 1e3
+                for name in ("fp16", "q8_0")
+            }
+        if all(t["q8_0"] < t["fp16"] for t in self.calibration_ms.values()):
+            return {n: "q8_0" if name == "fp16" else name for n, name in plan.items()}
+        return plan
 
     def _quantized_kernel(self, rows: Tensor) -> Tensor:
         assert self._quantized is not None
@@ -313,3 +354,10 @@ class LmHead:
                 times[name] = min(timed_runs(lambda: kernel(rows), 2)) * 1e3
             results[n] = times
         return results
+
+
+def _bucket_backend(plan: dict[int, str], n: int) -> str:
+    """The backend `plan` gives a call of `n` rows: its nearest bucket in log scale (ties
+    to the larger)."""
+    bucket = min(plan, key=lambda s: (abs(math.log2(max(n, 1) / s)), -s))
+    return plan[bucket]

@@ -245,6 +245,8 @@ def measured_weight_bytes(model: Any, lm_head: Any = None) -> int:
             total += int(lm_head.weight.numel()) * 2
         for t in getattr(getattr(lm_head, "_quantized", None), "tensors", ()):
             add(t)
+        for t in getattr(getattr(lm_head, "_q8_0", None), "tensors", ()):
+            add(t)
     return total
 
 

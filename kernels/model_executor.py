@@ -69,6 +69,7 @@ class ModelExecutor:
                 backend={"fp16": fp16_plan, "onednn+fp16": narrow_fp16_plan}.get(
                     self.linear, lambda: "auto"
                 )(),
+                q8_0=self._q8_0_head(model) if self.linear in ("fp16", "onednn+fp16") else None,
             )
         self.lm_head = lm_head
         # Sums a row-parallel product over tensor-parallel ranks (kernels/tensor_parallel);
@@ -91,6 +92,17 @@ class ModelExecutor:
             from kernels.compiled_step import CompiledStep
 
             self.compiled = CompiledStep(self)
+
+    def _q8_0_head(self, model: nn.Module):
+        """The head's Q8_0 blocks as its GGUF stores them (kernels/q8_0_head), for the
+        narrow calls of a layout that already approximates the head (its fp16 copy); None
+        where the model is no such GGUF or the kernel cannot be built here."""
+        from kernels.q8_0_head import Q8_0Weight, kernel
+
+        path = getattr(model, "gguf_path", None)
+        if path is None or self.device.type != "cpu" or kernel() is None:
+            return None
+        return Q8_0Weight.from_gguf(path, self.config)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> Tensor:

@@ -21,6 +21,9 @@ from torch import Tensor
 
 from actors.bench.timing import time_calls
 from kernels.lm_head import LmHead
+from kernels.q8_0_head import Q8_0Weight
+from kernels.q8_0_head import kernel as q8_0_kernel
+from kernels.q8_0_head import kernel_status as q8_0_kernel_status
 from kernels.sampling import Sampler
 from transport.messages.params import GenerationParams
 
@@ -68,6 +71,12 @@ def bench_head(
     }
     candidates["chunked"] = _vocab_chunked(weight)
     candidates["MkldnnLinear"] = _mkldnn_linear(weight)
+    if q8_0_kernel() is not None and hidden_size % 32 == 0:
+        # a GGUF's Q8_0 blocks (of this random weight: its error is the blocks', which a
+        # Q8_0 model's head has already; kernels/q8_0_head)
+        candidates["q8_0"] = Q8_0Weight.quantize(weight.float()).packed().product
+    else:
+        print(f"q8_0: {q8_0_kernel_status()}")
     print(
         f"\n### {dtype}, V={vocab}, H={hidden_size}, threads={torch.get_num_threads()} "
         f"(oneDNN prepack {pack_s * 1e3:.0f} ms)\n"

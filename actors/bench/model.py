@@ -89,8 +89,9 @@ def step_read_bytes(model: torch.nn.Module, head) -> int:
     backend = head.backend_for(1)
     if backend == "fp16":
         head_bytes = head.vocab_size * head.hidden_size * 2
-    elif backend == "quantized":
-        head_bytes = sum(t.numel() * t.element_size() for t in head._quantized.tensors)
+    elif backend in ("int8", "int4", "q8_0"):
+        blocks = head._q8_0 if backend == "q8_0" else head._quantized
+        head_bytes = sum(t.numel() * t.element_size() for t in blocks.tensors)
     else:  # aten, onednn, numpy: the weight's own dtype
         head_bytes = head.vocab_size * head.hidden_size * head.weight.element_size()
     return layers + head_bytes

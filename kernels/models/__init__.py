@@ -94,7 +94,11 @@ def load_model(
 ) -> tuple[ModelConfig, nn.Module]:
     """(config, model) for a GGUF file, a HF folder, or None for the embedded Gemma 3 270M."""
     config = load_config(path)
-    return config, build_model(config, load_model_weights(path, dtype, config), dtype)
+    model = build_model(config, load_model_weights(path, dtype, config), dtype)
+    kind, source = resolve_model_source(path)
+    if kind == "gguf":
+        model.gguf_path = str(source)  # where its head's own blocks are (kernels/q8_0_head)
+    return config, model
 
 
 def load_model_weights(

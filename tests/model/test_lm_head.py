@@ -53,7 +53,7 @@ def _stored(weight: torch.Tensor, backend: str) -> torch.Tensor:
     return weight.half().float() if backend == "fp16" else weight
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "q8_0"])  # test_q8_0_head
 @pytest.mark.parametrize("n", [1, 3, 8, 32])
 def test_fp32_backends_match_f_linear(backend: str, n: int) -> None:
     weight = _weight()

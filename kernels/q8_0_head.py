@@ -1,0 +1,291 @@
+"""The LM head read from a GGUF's own Q8_0 blocks (the embedded Gemma 3 270M's head).
+
+A tied embedding stored as Q8_0 (one fp16 scale and 32 int8 values a block) is the model's
+head weight exactly: `Q8_0Weight` keeps those values (int8 [V, H], fp32 scales [V, H / 32]:
+1.125 bytes a weight, against 2 for the fp16 copy a narrow step otherwise streams). A decode
+step reads every weight of the head once, so the fewer bytes are the point.
+
+The product is a small C kernel (`csrc/q8_0_gemv.c`: AVX-512 with or without VNNI, AVX2 or
+plain C, whichever the machine has), compiled at first use with `-march=native` and cached
+per source and CPU under the kvactor cache, loaded with ctypes; it runs on the process's
+OpenMP team (torch's). It reads the blocks repacked into tiles of 16 rows
+(`Q8_0Weight.packed`). Its activations are quantized per 32-block to int16 (each value off
+by at most 2^-16 of its block's largest), so on a bf16 model (activations already rounded to
+bf16's 8 bits) its logits are as close to the exact path's as the fp16 copy's, or closer:
+that copy holds the weights rounded to bf16 (tests/model/test_q8_0_head.py; `bin/engine
+bench quality` measures the model). The head takes it in place of the fp16 copy where it
+timed faster (`LmHead`); where no C compiler runs, the kernel is unavailable and the head
+keeps its fp16 copy (`kernel_status` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).parent / "csrc" / "q8_0_gemv.c"
+BLOCK = 32
+TILE = 16  # rows per tile of the packed layout
+BUILD_TIMEOUT_S = 120
+LOCATION_VERSION = 1  # of the cached `q8_0_head_location` record
+ISA_NAMES = {3: "avx512-vnni", 2: "avx512bw", 1: "avx2", 0: "plain C"}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_status = "not built yet"
+
+
+@dataclass(frozen=True)
+class Q8_0Weight:
+    """A [V, H] weight as Q8_0 blocks: `q` int8 [V, H], `scales` fp32 [V, H / 32]."""
+
+    q: Tensor
+    scales: Tensor
+
+    def __post_init__(self) -> None:
+        v, h = self.q.shape
+        if self.q.dtype != torch.int8 or h % BLOCK:
+            raise ValueError(f"Q8_0 weights are int8 [V, H] with H % {BLOCK} == 0")
+        if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != (v, h // BLOCK):
+            raise ValueError(f"Q8_0 scales are fp32 [{v}, {h // BLOCK}]")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 4 * self.scales.numel()
+
+    @property
+    def tensors(self) -> tuple[Tensor, Tensor]:
+        return self.q, self.scales
+
+    def dequantized(self) -> Tensor:
+        """The fp32 [V, H] weight these blocks hold (as the GGUF reader dequantizes it)."""
+        v, h = self.q.shape
+        return (self.q.view(v, h // BLOCK, BLOCK).float() * self.scales[..., None]).view(v, h)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, config) -> Q8_0Weight | None:
+        """The tied head of a GGUF whose embedding is stored as Q8_0, as stored; None for
+        any other file (an untied head, another type, values the loader changes). Where
+        the blocks lie in the file is found once (parsing a large vocabulary's metadata
+        takes seconds) and kept beside the file's other derived artifacts."""
+        where = q8_0_head_location(Path(path), config)
+        if where is None:
+            return None
+        offset, v, h = where
+        raw = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(v, h // BLOCK, 34))
+        scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+        q = np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(v, h)
+        del raw
+        return cls(torch.from_numpy(q), torch.from_numpy(scales))
+
+    @classmethod
+    def quantize(cls, weight: Tensor) -> Q8_0Weight:
+        """`weight` [V, H] in Q8_0 blocks as llama.cpp quantizes it (for tests and benches;
+        a model's own head comes `from_gguf`)."""
+        v, h = weight.shape
+        blocks = weight.detach().float().reshape(v, h // BLOCK, BLOCK)
+        scales = (blocks.abs().amax(-1) / 127).half().float()  # Q8_0 stores fp16 scales
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.reshape(v, h).contiguous(), scales.contiguous())
+
+    def packed(self, lib: ctypes.CDLL | None = None) -> Q8_0Packed:
+        """The blocks in the kernel's tiled layout (`csrc/q8_0_gemv.c`; `lib`: a build of
+        the kernel other than this process's own), rows padded with zeros to whole tiles."""
+        lib = _library_or_raise(lib)
+        v, h = self.q.shape
+        padded = -(-v // TILE) * TILE
+        q, scales = self.q.contiguous(), self.scales.contiguous()
+        if padded != v:
+            q = torch.cat([q, q.new_zeros(padded - v, h)])
+            scales = torch.cat([scales, scales.new_zeros(padded - v, h // BLOCK)])
+        pq = torch.empty(padded * h, dtype=torch.int8)
+        ps = torch.empty(padded * (h // BLOCK), dtype=torch.float32)
+        lib.q8_0_pack(q.data_ptr(), scales.data_ptr(), padded, h, pq.data_ptr(), ps.data_ptr())
+        return Q8_0Packed(pq, ps, v, h, lib)
+
+
+@dataclass(frozen=True)
+class Q8_0Packed:
+    """Q8_0 blocks of a [rows, hidden] weight in the kernel's tiled layout."""
+
+    q: Tensor  # int8, whole tiles of 16 rows
+    scales: Tensor  # fp32
+    rows: int
+    hidden: int
+    lib: ctypes.CDLL  # the build that packed them (the layout is its own)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.hidden
+
+    @property
+    def tensors(self) -> tuple[Tensor, Tensor]:
+        return self.q, self.scales
+
+    def product(self, rows: Tensor) -> Tensor:
+        """fp32 [n, rows] = `rows` [n, hidden] times the weight's transpose."""
+        x = rows.detach().to(torch.float32).contiguous()
+        n, h = x.shape
+        if h != self.hidden:
+            raise ValueError(f"rows of {h} features for a [{self.rows}, {self.hidden}] weight")
+        padded = self.q.numel() // h
+        out = torch.empty((n, padded), dtype=torch.float32)
+        if self.lib.q8_0_gemv(
+            x.data_ptr(), n, h, self.q.data_ptr(), self.scales.data_ptr(), padded, out.data_ptr()
+        ):
+            raise MemoryError("the Q8_0 kernel's scratch memory could not be allocated")
+        return out if padded == self.rows else out[:, : self.rows].contiguous()
+
+
+def _library_or_raise(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    lib = lib or kernel()
+    if lib is None:
+        raise RuntimeError(f"the Q8_0 kernel is unavailable: {_status}")
+    return lib
+
+
+def q8_0_head_location(path: Path, config) -> tuple[int, int, int] | None:
+    """(byte offset, rows, columns) of a GGUF's tied Q8_0 embedding, or None (see
+    `Q8_0Weight.from_gguf`); cached in the GGUF's artifact folder, stamped with its
+    identity."""
+    import json
+
+    from kernels.gguf_loader import _atomic_write_text, artifact_dir, file_identity
+
+    cache = artifact_dir(path) / "q8_0_head.json"
+    stamp = f"{LOCATION_VERSION}:{file_identity(path)}"
+    try:
+        saved = json.loads(cache.read_text())
+        if saved.get("stamp") == stamp:
+            return tuple(saved["where"]) if saved["where"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or stale: found again below
+    where = _find_q8_0_head(path, config)
+    _atomic_write_text(cache, json.dumps({"stamp": stamp, "where": where}))
+    return where
+
+
+def _find_q8_0_head(path: Path, config) -> tuple[int, int, int] | None:
+    import gguf
+
+    from kernels.gguf_archs import row_order, value_fixup
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    table = tensors.get("token_embd.weight")
+    if (
+        table is None
+        or "output.weight" in tensors
+        or table.tensor_type != gguf.GGMLQuantizationType.Q8_0
+        or value_fixup(config.arch, "token_embd.weight") is not None
+    ):
+        return None
+    h, v = (int(d) for d in table.shape)
+    if h % BLOCK or row_order(config, "token_embd.weight", v) is not None:
+        return None
+    return int(table.data_offset), v, h
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel (built and cached at first use), or None where it cannot be
+    built here (`kernel_status` says why)."""
+    global _library, _status
+    with _lock:
+        if _library is None and _status == "not built yet":
+            try:
+                _library = _load(build_library())
+                _status = f"built for {ISA_NAMES[_library.q8_0_isa()]}"
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _status = f"not built: {exc}"
+        return _library
+
+
+def kernel_status() -> str:
+    return _status
+
+
+def compiler() -> str | None:
+    """The C compiler: $CC, else cc, gcc or clang on PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build_library(flags: tuple[str, ...] = ("-march=native",), directory: Path | None = None):
+    """The kernel's shared library for `flags`, compiled once into the kvactor cache (a
+    folder per source, flags and CPU: a cache shared between machines never hands one
+    machine another's instructions)."""
+    from kernels.cpu import cpu_features
+    from kernels.gguf_loader import kvactor_cache_dir
+
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC, or install cc/gcc/clang)")
+    source = SOURCE.read_bytes()
+    features = cpu_features()
+    key = hashlib.sha256(
+        source + " ".join(flags).encode() + " ".join(sorted(features.flags)).encode()
+    ).hexdigest()[:16]
+    folder = directory or kvactor_cache_dir() / "kernels"
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"q8_0_gemv-{key}.so"
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        built = Path(scratch) / target.name
+        command = [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
+        os.replace(built, target)  # whole or not at all, for another process building too
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    # torch is imported first, so the library's libgomp.so.1 is the one torch loaded: its
+    # OpenMP team (and thread count) is torch's own.
+    lib = ctypes.CDLL(str(path))
+    lib.q8_0_gemv.restype = ctypes.c_int
+    lib.q8_0_gemv.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
+    lib.q8_0_pack.restype = None
+    lib.q8_0_pack.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
+    lib.q8_0_isa.restype = ctypes.c_int
+    lib.q8_0_isa.argtypes = []
+    return lib
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """A build of the kernel other than the process's own (tests load each ISA's)."""
+    return _load(path)

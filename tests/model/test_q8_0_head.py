@@ -1,0 +1,233 @@
+"""The LM head read from a GGUF's own Q8_0 blocks (kernels/q8_0_head, csrc/q8_0_gemv.c).
+
+The kernel is checked on every instruction set this machine can run (AVX-512 with and
+without VNNI, AVX2, plain C: each a build of its own) against the product it promises:
+the same int16 activations and int8 weights multiplied exactly, in float64. Then the
+blocks themselves (read from a GGUF as stored, equal to the loader's dequantized table),
+the head's plan (the kernel taken where it timed faster, unused copies dropped), and the
+embedded model's head: its logits as close to the exact path's as the fp16 copy's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import cpu_features
+from kernels.q8_0_head import (
+    BLOCK,
+    Q8_0Weight,
+    build_library,
+    compiler,
+    kernel,
+    load_library,
+    q8_0_head_location,
+)
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler to build the kernel")
+
+# (flags, the instruction set the build must report, CPU flags it needs)
+BUILDS = {
+    "native": (("-march=native",), None, ()),
+    "avx512bw": (("-march=native", "-mno-avx512vnni"), 2, ("avx512bw",)),
+    "avx2": (("-march=native", "-mno-avx512f"), 1, ("avx2", "fma")),
+    "plain": (("-march=x86-64",), 0, ()),
+}
+
+
+def _build(name: str, tmp_path_factory):
+    flags, isa, needs = BUILDS[name]
+    have = cpu_features().flags
+    if not set(needs) <= have:
+        pytest.skip(f"this CPU lacks {sorted(set(needs) - have)}")
+    try:
+        lib = load_library(build_library(flags, tmp_path_factory.mktemp(name)))
+    except RuntimeError as exc:  # e.g. a compiler without these options (not x86)
+        pytest.skip(f"cannot build {name}: {exc}")
+    if isa is not None:
+        assert lib.q8_0_isa() == isa
+    return lib
+
+
+def _int16_activations(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's activation quantization, in numpy: per 32-block, the largest |x| maps
+    to 32767, rounded to nearest even."""
+    n, h = x.shape
+    blocks = x.double().numpy().reshape(n, h // BLOCK, BLOCK).astype(np.float32)
+    largest = np.abs(blocks).max(-1)
+    inv = np.where(largest > 0, np.float32(32767) / np.where(largest > 0, largest, 1), 0)
+    q = np.rint(blocks * inv[..., None].astype(np.float32)).astype(np.int64)
+    return q.reshape(n, h), (largest / np.float32(32767)).astype(np.float32)
+
+
+def _promised(weight: Q8_0Weight, x: torch.Tensor) -> np.ndarray:
+    """float64 [n, V]: the int16 activations times the int8 weights exactly, each block
+    scaled by its weight and activation scales."""
+    xq, xs = _int16_activations(x)
+    v, h = weight.shape
+    q = weight.q.numpy().astype(np.int64).reshape(v, h // BLOCK, BLOCK)
+    dots = np.einsum("vgk,ngk->nvg", q, xq.reshape(-1, h // BLOCK, BLOCK))
+    scales = weight.scales.numpy().astype(np.float64)
+    return np.einsum("nvg,vg,ng->nv", dots.astype(np.float64), scales, xs.astype(np.float64))
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("vocab, hidden", [(4099, 96), (64, 640)])  # padded tiles, odd blocks
+def test_every_build_computes_the_promised_product(build, vocab, hidden, tmp_path_factory):
+    lib = _build(build, tmp_path_factory)
+    generator = torch.Generator().manual_seed(vocab)
+    weight = Q8_0Weight.quantize(torch.randn(vocab, hidden, generator=generator) * 0.05)
+    packed = weight.packed(lib)
+    for n in (1, 2, 3, 5, 9):
+        x = torch.randn(n, hidden, generator=generator)
+        x[0, :BLOCK] = 0  # an all-zero block
+        out = packed.product(x)
+        assert out.shape == (n, vocab) and out.dtype == torch.float32
+        promised = _promised(weight, x)
+        # fp32 sums of exact integer dots: error of fp32 rounding only
+        bound = 1e-5 * np.abs(promised).max() + 1e-6
+        assert np.abs(out.double().numpy() - promised).max() <= bound, (build, n)
+        # ... which is the exact product up to the activations' 16-bit rounding
+        exact = F.linear(x.double(), weight.dequantized().double())
+        largest = x.abs().double().view(n, -1, BLOCK).amax(-1, keepdim=True)
+        per_value = largest.expand(n, hidden // BLOCK, BLOCK).reshape(n, hidden) * 2.0**-16
+        slack = F.linear(per_value, weight.dequantized().abs().double()) + bound
+        assert ((out.double() - exact).abs() <= slack).all()
+
+
+def test_a_bf16_input_and_a_zero_input(tmp_path_factory):
+    weight = Q8_0Weight.quantize(torch.randn(48, 64) * 0.1)
+    packed = weight.packed()
+    assert torch.equal(packed.product(torch.zeros(2, 64)), torch.zeros(2, 48))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    expected = F.linear(x.float(), weight.dequantized())
+    assert (packed.product(x) - expected).abs().max() <= 1e-3 * expected.abs().max()
+    with pytest.raises(ValueError, match="features"):
+        packed.product(torch.randn(1, 32))
+
+
+def test_quantize_and_dequantize_are_llama_cpp_q8_0():
+    w = torch.tensor([[0.0] * 31 + [1.27] + [-0.5] * 32])
+    blocks = Q8_0Weight.quantize(w)
+    fp16 = torch.tensor([1.27 / 127, 0.5 / 127]).half().float()  # Q8_0 keeps fp16 scales
+    assert torch.equal(blocks.scales[0], fp16)
+    assert blocks.q[0, 31] == 127 and blocks.q[0, 32] == -127 and blocks.q[0, 0] == 0
+    assert (blocks.dequantized() - w).abs().max() <= blocks.scales.max() / 2
+    with pytest.raises(ValueError, match="H % 32"):
+        Q8_0Weight(torch.zeros(2, 40, dtype=torch.int8), torch.zeros(2, 1))
+
+
+# ---- the blocks as a GGUF stores them --------------------------------------------------
+
+
+def test_a_tied_q8_0_embedding_is_read_as_stored(tmp_path):
+    from kernels.models import load_config, load_model_weights
+    from tests.model.gguf_fixtures import write_tiny_gguf
+
+    made = write_tiny_gguf(tmp_path / "tied.gguf", "qwen2", "Q8_0", save_hf=False)
+    path = made["gguf_path"]
+    config = load_config(str(path))
+    blocks = Q8_0Weight.from_gguf(path, config)
+    table = load_model_weights(str(path), torch.float32)["embed_tokens.weight"]
+    assert blocks is not None and torch.equal(blocks.dequantized(), table)
+    # where the blocks lie is found once, then read from the artifact folder
+    record = next(path.parent.glob("*.kvactor")) / "q8_0_head.json"
+    saved = json.loads(record.read_text())
+    saved["where"] = [0, 1, 64]  # a record we can tell apart
+    record.write_text(json.dumps(saved))
+    assert q8_0_head_location(path, config) == (0, 1, 64)
+    saved["stamp"] = "stale"
+    record.write_text(json.dumps(saved))
+    assert q8_0_head_location(path, config)[1:] == tuple(blocks.shape)
+
+
+@pytest.mark.parametrize(
+    "arch, weight_type", [("qwen2", "F32"), ("qwen2", "Q4_K_M"), ("qwen3", "Q8_0")]
+)
+def test_other_heads_have_no_q8_0_blocks(arch, weight_type, tmp_path):
+    """An F32 or Q6_K embedding, or an untied head (qwen3 here), is not read so."""
+    from kernels.models import load_config
+    from tests.model.gguf_fixtures import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", arch, weight_type, save_hf=False)["gguf_path"]
+    assert Q8_0Weight.from_gguf(path, load_config(str(path))) is None
+
+
+# ---- the head's plan ---------------------------------------------------------------------
+
+
+def _times(table: dict[str, float]):
+    """A stand-in for `timed_runs`: each backend's kernel takes the given milliseconds."""
+
+    def timed(fn, repeats):
+        name = fn.__defaults__[0].__name__.removeprefix("_").removesuffix("_kernel")
+        return [table[name] / 1e3] * repeats
+
+    return timed
+
+
+def test_the_kernel_replaces_the_fp16_copy_where_it_timed_faster(monkeypatch):
+    import kernels.lm_head as lm_head_module
+    from kernels.lm_head import LmHead, fp16_plan, narrow_fp16_plan
+
+    weight = (torch.randn(4099, 64) * 0.05).to(torch.bfloat16)
+    blocks = Q8_0Weight.quantize(weight.float())
+
+    def timed(table):
+        monkeypatch.setattr(lm_head_module, "timed_runs", _times(table))
+
+    timed({"fp16": 5.0, "q8_0": 3.0})
+    head = LmHead(weight, backend=narrow_fp16_plan(), q8_0=blocks)
+    # every call the fp16 copy served (up to 5 rows) takes the kernel; wider ones oneDNN
+    assert [head.backend_for(n) for n in (1, 2, 3, 4, 5, 6, 32)] == ["q8_0"] * 5 + ["onednn"] * 2
+    assert head._fp16 is None and head._q8_0 is not None  # one copy, never both
+    assert set(head.calibration_ms) == {1, 4}  # timed at both ends of the copy's calls
+    x = torch.randn(2, 64)
+    assert (head(x) - F.linear(x, blocks.dequantized())).abs().max() < 0.02
+    # slower (at either end): the plan as it was, and the blocks let go
+    for slower in ({"fp16": 5.0, "q8_0": 30.0}, {"fp16": 3.0, "q8_0": 5.0}):
+        timed(slower)
+        head = LmHead(weight, backend=narrow_fp16_plan(), q8_0=blocks)
+        assert head._q8_0 is None and head._fp16 is not None
+        assert [head.backend_for(n) for n in (1, 4, 8)] == ["fp16", "fp16", "onednn"]
+    # an fp32 model's fp16 plan serves up to 22 rows: timed at 1 and 16
+    timed({"fp16": 5.0, "q8_0": 3.0})
+    head = LmHead(weight.float(), backend=fp16_plan(), q8_0=blocks)
+    assert set(head.calibration_ms) == {1, 16} and head.backend_for(16) == "q8_0"
+    with pytest.raises(ValueError, match="Q8_0 blocks"):
+        LmHead(weight, backend={1: "q8_0"})
+    with pytest.raises(ValueError, match="Q8_0 blocks of"):
+        LmHead(weight, backend=narrow_fp16_plan(), q8_0=Q8_0Weight.quantize(torch.zeros(8, 64)))
+
+
+def test_the_kernel_builds_here():
+    assert kernel() is not None
+
+
+@pytest.mark.model
+def test_the_embedded_heads_blocks_are_its_weights_and_closer_than_the_fp16_copy():
+    """Gemma 3 270M's head is its Q8_0 embedding: the blocks equal the exact path's weight,
+    and a bf16 model's logits through them are as close to the exact path's as through
+    the fp16 copy of its bf16 weights (the default layout's), or closer."""
+    from kernels.gguf_loader import default_model_path
+    from kernels.lm_head import LmHead
+    from kernels.models import load_model
+
+    config, model = load_model(None, torch.float32)
+    blocks = Q8_0Weight.from_gguf(default_model_path(), config)
+    assert blocks is not None and torch.equal(blocks.dequantized(), model.lm_head_weight)
+    assert model.gguf_path == str(default_model_path())
+    hidden = torch.randn(4, config.hidden, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(torch.bfloat16)  # as a bf16 model's last norm hands them over
+    exact = F.linear(hidden.double(), model.lm_head_weight.double())
+    bf16_weight = model.lm_head_weight.to(torch.bfloat16)
+    via_blocks = LmHead(bf16_weight, backend={1: "q8_0"}, q8_0=blocks)(hidden)
+    via_fp16 = LmHead(bf16_weight, backend={1: "fp16"})(hidden)
+    err_blocks = (via_blocks.double() - exact).abs().max().item()
+    err_fp16 = (via_fp16.double() - exact).abs().max().item()
+    # (both hand back bf16 logits, as a bf16 model's head does: that rounding dominates)
+    assert err_blocks <= err_fp16 and err_blocks < 2.0**-7 * exact.abs().max().item()
