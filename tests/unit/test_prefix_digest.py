@@ -98,6 +98,18 @@ def _recomputed(tree: RadixTree) -> set[int]:
     return out
 
 
+def _random_key(rng, stems, vocab: int, tail: int, salted: float) -> np.ndarray:
+    """A prefix of one of `stems` and up to `tail` random tokens; salted at that rate."""
+    stem = stems[int(rng.integers(len(stems)))]
+    seq = np.concatenate(
+        [
+            stem[: int(rng.integers(0, len(stem) + 1))],
+            rng.integers(0, vocab, int(rng.integers(0, tail))),
+        ]
+    )
+    return salted_tokens(seq, "t") if rng.random() < salted else seq
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("page_size", [1, 3, 4, 16])
 def test_the_kept_digest_equals_one_made_afresh_through_inserts_splits_and_evictions(
@@ -110,15 +122,7 @@ def test_the_kept_digest_equals_one_made_afresh_through_inserts_splits_and_evict
     for step in range(120):
         op = rng.random()
         if op < 0.6:
-            stem = stems[int(rng.integers(len(stems)))]
-            seq = np.concatenate(
-                [
-                    stem[: int(rng.integers(0, len(stem) + 1))],
-                    rng.integers(0, 50, int(rng.integers(0, 30))),
-                ]
-            )
-            if rng.random() < 0.2:
-                seq = salted_tokens(seq, "t")
+            seq = _random_key(rng, stems, vocab=50, tail=30, salted=0.2)
             tree.insert(seq, np.arange(slot, slot + len(seq)))
             slot += len(seq)
         elif op < 0.8:
@@ -214,15 +218,7 @@ def test_dead_ends_equal_the_window_rule_through_inserts_heals_splits_and_evicti
     for step in range(150):
         op = rng.random()
         if op < 0.55:
-            stem = stems[int(rng.integers(len(stems)))]
-            seq = np.concatenate(
-                [
-                    stem[: int(rng.integers(0, len(stem) + 1))],
-                    rng.integers(0, 20, int(rng.integers(0, 24))),
-                ]
-            )
-            if rng.random() < 0.1:
-                seq = salted_tokens(seq, "t")
+            seq = _random_key(rng, stems, vocab=20, tail=24, salted=0.1)
             pages = len(seq) // page_size
             # a request's row: pages the window passed are dead, sometimes all alive
             dead_below = int(rng.integers(0, pages + 1)) if rng.random() < 0.7 else 0
