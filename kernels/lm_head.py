@@ -18,6 +18,14 @@ Backends (all take a contiguous [N, H] input in the weight's dtype):
   picked by ``auto`` or ``calibrate``). A plan that names it may pair it with ``onednn``
   only, whose copy then holds the same values (fp16-rounded ones for an fp32 weight): a
   row's logits keep one precision whatever the batch it rides in.
+- ``q8_0``: a GGUF's own Q8_0 blocks of the weight (`kernels.q8_0_head`: int8 values and a
+  scale per 32, 1.125 bytes a weight, through a C kernel with int16 activations). Given
+  the blocks beside a plan naming ``fp16``, it takes every call the fp16 copy would, on a
+  machine where the kernel builds with AVX2 or wider (a fixed rule: the same logits every
+  start). An fp32 model's head then is the blocks' exact values narrow and wide (its oneDNN
+  copy keeps the weight unrounded). A bf16 model's head is the blocks' exact values in
+  narrow calls and their bf16 rounding in wide ones: a row's logits can differ by a bf16
+  rounding between batch shapes (`bin/engine bench quality` measures the path).
 - ``int8``, ``int4``: the weight quantized (``kernels.quant``: int8 per row, int4 per group
   of 32) and multiplied by torch's weight-only kernel with activations in
   ``quantized_activations`` (default: the weight's dtype); approximate, so only when asked
@@ -51,6 +59,7 @@ from torch import Tensor
 from kernels.q8_0_head import Q8_0Weight
 from kernels.q8_0_head import kernel as q8_0_kernel
 from kernels.q8_0_head import kernel_status as q8_0_kernel_status
+from kernels.q8_0_head import vectorized as q8_0_vectorized
 from kernels.quant import QuantizedWeight
 from kernels.timing import timed_runs
 
@@ -135,8 +144,21 @@ class LmHead:
             raise ValueError(f"Q8_0 blocks of {q8_0.shape} for a {tuple(weight.shape)} weight")
         if "q8_0" in named and q8_0 is None:
             raise ValueError("the q8_0 lm_head backend needs the weight's Q8_0 blocks")
-        # in the kernel's own layout (the row-major blocks are not kept)
-        self._q8_0 = q8_0.packed() if q8_0 is not None and q8_0_kernel() is not None else None
+        if "q8_0" in named and q8_0_kernel() is None:
+            raise RuntimeError(f"the Q8_0 kernel is unavailable: {q8_0_kernel_status()}")
+        if (
+            q8_0 is not None
+            and given_plan is not None
+            and "fp16" in named
+            and "q8_0" not in named
+            and q8_0_vectorized()
+        ):
+            # The blocks take every call the fp16 copy would: the kernel on AVX2 or wider
+            # ran faster than the copy at 1 to 16 rows (docs/benchmarks.md). A fixed rule,
+            # not a timing, so every engine on a machine computes the same logits.
+            given_plan = {n: "q8_0" if name == "fp16" else name for n, name in given_plan.items()}
+            named = set(given_plan.values())
+        self._q8_0 = q8_0.packed() if "q8_0" in named else None  # in the kernel's layout
         # a stand-in of one element (stride 0) beside a quantized weight stays as it is
         self.weight = weight.detach() if quantized is not None else weight.detach().contiguous()
         self.final_softcap = final_softcap
@@ -184,8 +206,6 @@ class LmHead:
             self.calibration_ms = {}
             chosen = backend if backend != "auto" else self._fixed_choice()
             self.plan = {1: chosen}
-        if q8_0 is not None and given_plan is not None and "q8_0" not in named:
-            self.plan = self._with_q8_0(self.plan)
         if "onednn" not in self.plan.values():
             self._packed = None  # release the copies nobody uses
         if "fp16" not in self.plan.values():
@@ -281,25 +301,6 @@ class LmHead:
             raise RuntimeError(f"the Q8_0 kernel is unavailable: {q8_0_kernel_status()}")
         logits = self._q8_0.product(rows)
         return logits if self.weight.dtype == torch.float32 else logits.to(self.weight.dtype)
-
-    def _with_q8_0(self, plan: dict[int, str]) -> dict[int, str]:
-        """`plan` with the Q8_0 kernel in place of the fp16 copy, where it ran faster here
-        at both ends of the calls the copy serves (one row, and the copy's largest bucket;
-        best of 3, the times kept in `calibration_ms`); else unchanged. All or nothing, so
-        the head never holds both copies (the memory plan counts the fp16 one)."""
-        narrow = sorted(n for n, name in plan.items() if name == "fp16")
-        if self._q8_0 is None or self._fp16 is None or not narrow:
-            return plan
-        generator = torch.Generator().manual_seed(0)
-        for n in sorted({1, narrow[-1]}):
-            rows = torch.randn(n, self.hidden_size, generator=generator).to(self.weight.dtype)
-            self.calibration_ms[n] = {
-                name: min(timed_runs(lambda k=self._kernels[name]: k(rows), 3)) * 1e3
-                for name in ("fp16", "q8_0")
-            }
-        if all(t["q8_0"] < t["fp16"] for t in self.calibration_ms.values()):
-            return {n: "q8_0" if name == "fp16" else name for n, name in plan.items()}
-        return plan
 
     def _quantized_kernel(self, rows: Tensor) -> Tensor:
         assert self._quantized is not None

@@ -46,6 +46,7 @@ class ModelExecutor:
 
         self.config = config
         self.model = model
+        self.head_blocks_error: str | None = None  # why the head's Q8_0 blocks were not read
         self.kv_cache = kv_cache
         self.attention = attention_backend
         self.req_to_token = req_to_token
@@ -102,7 +103,11 @@ class ModelExecutor:
         path = getattr(model, "gguf_path", None)
         if path is None or self.device.type != "cpu" or kernel() is None:
             return None
-        return Q8_0Weight.from_gguf(path, self.config)
+        try:
+            return Q8_0Weight.from_gguf(path, self.config)
+        except (OSError, ValueError) as exc:  # an unreadable file: the fp16 copy, as before
+            self.head_blocks_error = f"{path}: {exc}"
+            return None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> Tensor:

@@ -1,9 +1,10 @@
 """The LM head read from a GGUF's own Q8_0 blocks (the embedded Gemma 3 270M's head).
 
 A tied embedding stored as Q8_0 (one fp16 scale and 32 int8 values a block) is the model's
-head weight exactly: `Q8_0Weight` keeps those values (int8 [V, H], fp32 scales [V, H / 32]:
-1.125 bytes a weight, against 2 for the fp16 copy a narrow step otherwise streams). A decode
-step reads every weight of the head once, so the fewer bytes are the point.
+head weight exactly: `Q8_0Weight` reads those values where the file keeps them, and packs
+them once for the kernel (int8 values and fp32 scales: 1.125 bytes a weight, against 2 for
+the fp16 copy a narrow step otherwise streams). A decode step reads every weight of the
+head once, so the fewer bytes are the point.
 
 The product is a small C kernel (`csrc/q8_0_gemv.c`: AVX-512 with or without VNNI, AVX2 or
 plain C, whichever the machine has), compiled at first use with `-march=native` and cached
@@ -13,9 +14,9 @@ OpenMP team (torch's). It reads the blocks repacked into tiles of 16 rows
 by at most 2^-16 of its block's largest), so on a bf16 model (activations already rounded to
 bf16's 8 bits) its logits are as close to the exact path's as the fp16 copy's, or closer:
 that copy holds the weights rounded to bf16 (tests/model/test_q8_0_head.py; `bin/engine
-bench quality` measures the model). The head takes it in place of the fp16 copy where it
-timed faster (`LmHead`); where no C compiler runs, the kernel is unavailable and the head
-keeps its fp16 copy (`kernel_status` says why).
+bench quality` measures the model). The head takes it in place of the fp16 copy wherever
+the kernel builds with AVX2 or wider (`LmHead`, `vectorized`); where no C compiler runs,
+the kernel is unavailable and the head keeps its fp16 copy (`kernel_status` says why).
 """
 
 from __future__ import annotations
@@ -48,50 +49,45 @@ _status = "not built yet"
 
 @dataclass(frozen=True)
 class Q8_0Weight:
-    """A [V, H] weight as Q8_0 blocks: `q` int8 [V, H], `scales` fp32 [V, H / 32]."""
+    """A [V, H] weight as Q8_0 blocks: `q` int8 [V, H / 32, 32] (any strides with the last
+    one 1: a view of a GGUF's own records works), `scales` fp32 [V, H / 32]."""
 
     q: Tensor
     scales: Tensor
 
     def __post_init__(self) -> None:
-        v, h = self.q.shape
-        if self.q.dtype != torch.int8 or h % BLOCK:
-            raise ValueError(f"Q8_0 weights are int8 [V, H] with H % {BLOCK} == 0")
-        if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != (v, h // BLOCK):
-            raise ValueError(f"Q8_0 scales are fp32 [{v}, {h // BLOCK}]")
+        if self.q.dtype != torch.int8 or self.q.dim() != 3 or self.q.shape[2] != BLOCK:
+            raise ValueError(f"Q8_0 weights are int8 [V, H / {BLOCK}, {BLOCK}]")
+        if self.q.stride(2) != 1:
+            raise ValueError("a Q8_0 block's values must be adjacent")
+        v, ng, _ = self.q.shape
+        if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != (v, ng):
+            raise ValueError(f"Q8_0 scales are fp32 [{v}, {ng}]")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() + 4 * self.scales.numel()
-
-    @property
-    def tensors(self) -> tuple[Tensor, Tensor]:
-        return self.q, self.scales
+        v, ng, _ = self.q.shape
+        return v, ng * BLOCK
 
     def dequantized(self) -> Tensor:
         """The fp32 [V, H] weight these blocks hold (as the GGUF reader dequantizes it)."""
-        v, h = self.q.shape
-        return (self.q.view(v, h // BLOCK, BLOCK).float() * self.scales[..., None]).view(v, h)
+        return (self.q.float() * self.scales[..., None]).reshape(self.shape)
 
     @classmethod
     def from_gguf(cls, path: str | Path, config) -> Q8_0Weight | None:
-        """The tied head of a GGUF whose embedding is stored as Q8_0, as stored; None for
-        any other file (an untied head, another type, values the loader changes). Where
-        the blocks lie in the file is found once (parsing a large vocabulary's metadata
-        takes seconds) and kept beside the file's other derived artifacts."""
+        """The tied head of a GGUF whose embedding is stored as Q8_0, its values read in
+        place (a copy-on-write map of the file: `packed` reads them once); None for any
+        other file (an untied head, another type, values the loader changes). Where the
+        blocks lie in the file is found once (parsing a large vocabulary's metadata takes
+        seconds) and kept beside the file's other derived artifacts."""
         where = q8_0_head_location(Path(path), config)
         if where is None:
             return None
         offset, v, h = where
-        raw = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(v, h // BLOCK, 34))
+        raw = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(v, h // BLOCK, 34))
         scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0].astype(np.float32)
-        q = np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(v, h)
-        del raw
-        return cls(torch.from_numpy(q), torch.from_numpy(scales))
+        q = torch.from_numpy(raw[..., 2:].view(np.int8))
+        return cls(q, torch.from_numpy(scales))
 
     @classmethod
     def quantize(cls, weight: Tensor) -> Q8_0Weight:
@@ -102,22 +98,31 @@ class Q8_0Weight:
         scales = (blocks.abs().amax(-1) / 127).half().float()  # Q8_0 stores fp16 scales
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int8)
-        return cls(q.reshape(v, h).contiguous(), scales.contiguous())
+        return cls(q.contiguous(), scales.contiguous())
 
-    def packed(self, lib: ctypes.CDLL | None = None) -> Q8_0Packed:
-        """The blocks in the kernel's tiled layout (`csrc/q8_0_gemv.c`; `lib`: a build of
-        the kernel other than this process's own), rows padded with zeros to whole tiles."""
+    def packed(self, lib: ctypes.CDLL | None = None, rows: int | None = None) -> Q8_0Packed:
+        """Its first `rows` rows (default: all) in the kernel's tiled layout
+        (`csrc/q8_0_gemv.c`; `lib`: a build other than this process's own), padded with
+        zero rows to whole tiles. Reads the values where they lie: no other copy."""
         lib = _library_or_raise(lib)
-        v, h = self.q.shape
-        padded = -(-v // TILE) * TILE
-        q, scales = self.q.contiguous(), self.scales.contiguous()
-        if padded != v:
-            q = torch.cat([q, q.new_zeros(padded - v, h)])
-            scales = torch.cat([scales, scales.new_zeros(padded - v, h // BLOCK)])
+        v, h = self.shape
+        rows = v if rows is None else min(rows, v)
+        padded = -(-rows // TILE) * TILE
         pq = torch.empty(padded * h, dtype=torch.int8)
         ps = torch.empty(padded * (h // BLOCK), dtype=torch.float32)
-        lib.q8_0_pack(q.data_ptr(), scales.data_ptr(), padded, h, pq.data_ptr(), ps.data_ptr())
-        return Q8_0Packed(pq, ps, v, h, lib)
+        scales = self.scales.contiguous()
+        lib.q8_0_pack(
+            self.q.data_ptr(),
+            self.q.stride(0),
+            self.q.stride(1),
+            scales.data_ptr(),
+            rows,
+            padded,
+            h,
+            pq.data_ptr(),
+            ps.data_ptr(),
+        )
+        return Q8_0Packed(pq, ps, rows, h, lib)
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,8 @@ class Q8_0Packed:
         return self.q, self.scales
 
     def product(self, rows: Tensor) -> Tensor:
-        """fp32 [n, rows] = `rows` [n, hidden] times the weight's transpose."""
+        """fp32 [n, rows] = `rows` [n, hidden] times the weight's transpose, on torch's
+        thread count."""
         x = rows.detach().to(torch.float32).contiguous()
         n, h = x.shape
         if h != self.hidden:
@@ -147,7 +153,14 @@ class Q8_0Packed:
         padded = self.q.numel() // h
         out = torch.empty((n, padded), dtype=torch.float32)
         if self.lib.q8_0_gemv(
-            x.data_ptr(), n, h, self.q.data_ptr(), self.scales.data_ptr(), padded, out.data_ptr()
+            x.data_ptr(),
+            n,
+            h,
+            self.q.data_ptr(),
+            self.scales.data_ptr(),
+            padded,
+            out.data_ptr(),
+            torch.get_num_threads(),
         ):
             raise MemoryError("the Q8_0 kernel's scratch memory could not be allocated")
         return out if padded == self.rows else out[:, : self.rows].contiguous()
@@ -220,6 +233,13 @@ def kernel_status() -> str:
     return _status
 
 
+def vectorized() -> bool:
+    """The kernel built here runs on AVX2 or wider (the plain C build is no faster than
+    the fp16 copy it would replace)."""
+    lib = kernel()
+    return lib is not None and lib.q8_0_isa() >= 1
+
+
 def compiler() -> str | None:
     """The C compiler: $CC, else cc, gcc or clang on PATH."""
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
@@ -229,26 +249,33 @@ def compiler() -> str | None:
 
 
 def build_library(flags: tuple[str, ...] = ("-march=native",), directory: Path | None = None):
-    """The kernel's shared library for `flags`, compiled once into the kvactor cache (a
-    folder per source, flags and CPU: a cache shared between machines never hands one
-    machine another's instructions)."""
+    """The kernel's shared library for `flags`, compiled once into the kvactor cache, under
+    a key of the source, the flags, the compiler, the machine type and the CPU's flags, so a
+    cache shared between machines never hands one of them another's instructions. Where
+    this CPU's flags cannot be read, the build is this process's own (a fresh folder)."""
+    import platform
+
     from kernels.cpu import cpu_features
     from kernels.gguf_loader import kvactor_cache_dir
 
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install cc/gcc/clang)")
-    source = SOURCE.read_bytes()
-    features = cpu_features()
-    key = hashlib.sha256(
-        source + " ".join(flags).encode() + " ".join(sorted(features.flags)).encode()
-    ).hexdigest()[:16]
-    folder = directory or kvactor_cache_dir() / "kernels"
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"q8_0_gemv-{key}.so"
+    version = subprocess.run(
+        [cc, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout.split("\n")[0]
+    cpu_flags = sorted(cpu_features().flags)
+    parts = [SOURCE.read_text(), *flags, cc, version, platform.machine(), *cpu_flags]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    if directory is None:
+        directory = kvactor_cache_dir() / "kernels"
+        if not cpu_flags:
+            directory = Path(tempfile.mkdtemp(prefix="kvactor-q8_0-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"q8_0_gemv-{key}.so"
     if target.is_file():
         return target
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / target.name
         command = [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
@@ -264,22 +291,26 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.q8_0_gemv.restype = ctypes.c_int
     lib.q8_0_gemv.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
+        ctypes.c_void_p,  # x
+        ctypes.c_int64,  # B
+        ctypes.c_int64,  # H
+        ctypes.c_void_p,  # packed q
+        ctypes.c_void_p,  # packed scales
+        ctypes.c_int64,  # V (padded)
+        ctypes.c_void_p,  # out
+        ctypes.c_int,  # threads
     ]
     lib.q8_0_pack.restype = None
     lib.q8_0_pack.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
+        ctypes.c_void_p,  # q
+        ctypes.c_int64,  # row stride
+        ctypes.c_int64,  # block stride
+        ctypes.c_void_p,  # scales
+        ctypes.c_int64,  # rows
+        ctypes.c_int64,  # padded rows
+        ctypes.c_int64,  # H
+        ctypes.c_void_p,  # packed q
+        ctypes.c_void_p,  # packed scales
     ]
     lib.q8_0_isa.restype = ctypes.c_int
     lib.q8_0_isa.argtypes = []

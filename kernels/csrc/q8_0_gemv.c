@@ -12,12 +12,13 @@
  *
  * Built at first use with the machine's own instruction set (-march=native): AVX-512BW
  * (with VNNI's fused multiply-add where the CPU has it), else AVX2, else plain C. Tiles are
- * split across the OpenMP team the process already has (torch's libgomp).
+ * split across `threads` OpenMP threads (torch's own team where the runtime is its libgomp).
  * Layout: x [B, H] fp32, out [B, V] fp32, contiguous; H % 32 == 0, V % 16 == 0.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -40,21 +41,26 @@ int q8_0_isa(void) {
 #endif
 }
 
-/* q [V, H] int8 and s [V, H / 32] fp32 (row-major) into the tiled layout: pq [V * H] int8,
- * ps [V * H / 32] fp32. */
-void q8_0_pack(const int8_t* q, const float* s, int64_t V, int64_t H, int8_t* pq, float* ps) {
+/* Rows [0, rows) of a weight into the tiled layout, padded with zero rows to `padded` (a
+ * multiple of 16): pq [padded * H] int8, ps [padded * H / 32] fp32. Block g of row r holds
+ * q[r * row_stride + g * block_stride + k] (k < 32), so the values are read where they lie:
+ * row-major (H, 32) or in a GGUF's own 34-byte Q8_0 records (34 * H / 32, 34); its scale is
+ * s[r * H / 32 + g]. */
+void q8_0_pack(const int8_t* q, int64_t row_stride, int64_t block_stride, const float* s,
+               int64_t rows, int64_t padded, int64_t H, int8_t* pq, float* ps) {
   const int64_t ng = H / BLOCK;
-  for (int64_t t = 0; t < V / TILE; ++t) {
+  for (int64_t t = 0; t < padded / TILE; ++t) {
     for (int64_t g = 0; g < ng; ++g) {
       int8_t* dst = pq + (t * ng + g) * TILE_BLOCK_BYTES;
-      for (int p = 0; p < PAIRS; ++p) {
-        for (int j = 0; j < TILE; ++j) {
-          const int8_t* src = q + (t * TILE + j) * H + g * BLOCK + 2 * p;
-          dst[p * 2 * TILE + 2 * j] = src[0];
-          dst[p * 2 * TILE + 2 * j + 1] = src[1];
+      for (int j = 0; j < TILE; ++j) {
+        const int64_t r = t * TILE + j;
+        const int8_t* src = r < rows ? q + r * row_stride + g * block_stride : NULL;
+        for (int p = 0; p < PAIRS; ++p) {
+          dst[p * 2 * TILE + 2 * j] = src ? src[2 * p] : 0;
+          dst[p * 2 * TILE + 2 * j + 1] = src ? src[2 * p + 1] : 0;
         }
+        ps[(t * ng + g) * TILE + j] = r < rows ? s[r * ng + g] : 0.0f;
       }
-      for (int j = 0; j < TILE; ++j) ps[(t * ng + g) * TILE + j] = s[(t * TILE + j) * ng + g];
     }
   }
 }
@@ -66,12 +72,23 @@ static void quantize_rows(const float* x, int64_t B, int64_t H, int16_t* x16, fl
       const float* src = x + b * H + g * BLOCK;
       int16_t* dst = x16 + b * H + g * BLOCK;
       float m = 0.0f;
-      for (int k = 0; k < BLOCK; ++k) m = fmaxf(m, fabsf(src[k]));
-      const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+      int finite = 1;
+      for (int k = 0; k < BLOCK; ++k) {
+        finite &= isfinite(src[k]) != 0;
+        m = fmaxf(m, fabsf(src[k]));
+      }
+      const float inv = finite && m > 0.0f ? 32767.0f / m : 0.0f;
       for (int k = 0; k < BLOCK; ++k) dst[k] = (int16_t)lrintf(src[k] * inv);
-      xs[b * ng + g] = m / 32767.0f;
+      xs[b * ng + g] = finite ? m / 32767.0f : NAN; /* a NaN or inf in: NaN logits out */
     }
   }
+}
+
+/* Columns 2p and 2p + 1 of an activation block, as one int32 (for a broadcast). */
+static inline int32_t column_pair(const int16_t* block, int p) {
+  int32_t pair;
+  memcpy(&pair, block + 2 * p, sizeof pair);
+  return pair;
 }
 
 #if defined(__AVX512BW__)
@@ -88,7 +105,7 @@ static void tile_product(const int8_t* w, const float* sc, const int16_t* x16, c
     for (int p = 0; p < PAIRS; ++p) {
       const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + p * 2 * TILE)));
       for (int b = 0; b < nb; ++b) {
-        const __m512i xv = _mm512_set1_epi32(((const int32_t*)(x16 + b * H + g * BLOCK))[p]);
+        const __m512i xv = _mm512_set1_epi32(column_pair(x16 + b * H + g * BLOCK, p));
 #if defined(__AVX512VNNI__)
         dot[b] = _mm512_dpwssd_epi32(dot[b], wv, xv);
 #else
@@ -119,7 +136,7 @@ static void tile_product(const int8_t* w, const float* sc, const int16_t* x16, c
       const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)wp));  /* rows 0-7 */
       const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wp + 16)));
       for (int b = 0; b < nb; ++b) {
-        const __m256i xv = _mm256_set1_epi32(((const int32_t*)(x16 + b * H + g * BLOCK))[p]);
+        const __m256i xv = _mm256_set1_epi32(column_pair(x16 + b * H + g * BLOCK, p));
         dot[b][0] = _mm256_add_epi32(dot[b][0], _mm256_madd_epi16(lo, xv));
         dot[b][1] = _mm256_add_epi32(dot[b][1], _mm256_madd_epi16(hi, xv));
       }
@@ -143,6 +160,7 @@ static void tile_product(const int8_t* w, const float* sc, const int16_t* x16, c
                          int64_t H, int64_t V, int nb, float* out) {
   const int64_t ng = H / BLOCK;
   (void)nb; /* one row a pass */
+  (void)V;
   float acc[TILE] = {0};
   for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES, sc += TILE) {
     int32_t dot[TILE] = {0};
@@ -157,9 +175,10 @@ static void tile_product(const int8_t* w, const float* sc, const int16_t* x16, c
 }
 #endif
 
-/* Returns 0, or -1 when the scratch memory cannot be had (nothing written). */
+/* Returns 0, or -1 when the scratch memory cannot be had (nothing written). `threads`: the
+ * caller's torch thread count (an OpenMP runtime other than torch's would not know it). */
 int q8_0_gemv(const float* x, int64_t B, int64_t H, const int8_t* pq, const float* ps, int64_t V,
-              float* out) {
+              float* out, int threads) {
   if (B <= 0 || V <= 0) return 0;
   const int64_t ng = H / BLOCK;
   int16_t* x16 = (int16_t*)malloc((size_t)(B * H) * sizeof(int16_t));
@@ -170,7 +189,7 @@ int q8_0_gemv(const float* x, int64_t B, int64_t H, const int8_t* pq, const floa
     return -1;
   }
   quantize_rows(x, B, H, x16, xs);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < V / TILE; ++t) {
     for (int64_t b = 0; b < B; b += ROWS_PER_PASS) {
       const int nb = (int)(B - b < ROWS_PER_PASS ? B - b : ROWS_PER_PASS);
