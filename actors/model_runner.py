@@ -308,7 +308,6 @@ class ModelRunnerActor(Actor):
             linear=self.linear,
             linear_reason=self.linear_reason,
             lm_head_plan=self.executor.lm_head.plan,
-            lm_head_ms=self.executor.lm_head.calibration_ms or None,
             q8_0_kernel=q8_0_kernel_status(),
             head_blocks_error=self.executor.head_blocks_error,
             weights_bytes=measured_weight_bytes(model, self.executor.lm_head),

@@ -252,7 +252,9 @@ class LmHead:
 
     def backend_for(self, n: int) -> str:
         """Backend the plan uses for a batch of ``n`` rows (nearest bucket in log scale)."""
-        return _bucket_backend(self.plan, n)
+        sizes = self.plan.keys()
+        bucket = min(sizes, key=lambda s: (abs(math.log2(max(n, 1) / s)), -s))
+        return self.plan[bucket]
 
     @torch.no_grad()
     def __call__(self, hidden: Tensor) -> Tensor:
@@ -355,10 +357,3 @@ class LmHead:
                 times[name] = min(timed_runs(lambda: kernel(rows), 2)) * 1e3
             results[n] = times
         return results
-
-
-def _bucket_backend(plan: dict[int, str], n: int) -> str:
-    """The backend `plan` gives a call of `n` rows: its nearest bucket in log scale (ties
-    to the larger)."""
-    bucket = min(plan, key=lambda s: (abs(math.log2(max(n, 1) / s)), -s))
-    return plan[bucket]

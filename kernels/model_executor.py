@@ -97,11 +97,11 @@ class ModelExecutor:
     def _q8_0_head(self, model: nn.Module):
         """The head's Q8_0 blocks as its GGUF stores them (kernels/q8_0_head), for the
         narrow calls of a layout that already approximates the head (its fp16 copy); None
-        where the model is no such GGUF or the kernel cannot be built here."""
-        from kernels.q8_0_head import Q8_0Weight, kernel
+        where the model is no such GGUF or the kernel is no faster here (LmHead's rule)."""
+        from kernels.q8_0_head import Q8_0Weight, vectorized
 
         path = getattr(model, "gguf_path", None)
-        if path is None or self.device.type != "cpu" or kernel() is None:
+        if path is None or self.device.type != "cpu" or not vectorized():
             return None
         try:
             return Q8_0Weight.from_gguf(path, self.config)

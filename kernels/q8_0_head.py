@@ -136,10 +136,6 @@ class Q8_0Packed:
     lib: ctypes.CDLL  # the build that packed them (the layout is its own)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.rows, self.hidden
-
-    @property
     def tensors(self) -> tuple[Tensor, Tensor]:
         return self.q, self.scales
 
@@ -222,7 +218,7 @@ def kernel() -> ctypes.CDLL | None:
     with _lock:
         if _library is None and _status == "not built yet":
             try:
-                _library = _load(build_library())
+                _library = load_library(build_library())
                 _status = f"built for {ISA_NAMES[_library.q8_0_isa()]}"
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _status = f"not built: {exc}"
@@ -285,7 +281,8 @@ def build_library(flags: tuple[str, ...] = ("-march=native",), directory: Path |
     return target
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def load_library(path: Path) -> ctypes.CDLL:
+    """A build of the kernel (`kernel` loads this process's own; tests load each ISA's)."""
     # torch is imported first, so the library's libgomp.so.1 is the one torch loaded: its
     # OpenMP team (and thread count) is torch's own.
     lib = ctypes.CDLL(str(path))
@@ -315,8 +312,3 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.q8_0_isa.restype = ctypes.c_int
     lib.q8_0_isa.argtypes = []
     return lib
-
-
-def load_library(path: Path) -> ctypes.CDLL:
-    """A build of the kernel other than the process's own (tests load each ISA's)."""
-    return _load(path)
