@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import cpu_features
+from kernels.cpu import bf16_matmul_supported, cpu_features
+from kernels.lm_head import onednn_available
 from kernels.q8_0_head import (
     BLOCK,
     Q8_0Weight,
@@ -168,22 +169,21 @@ def test_other_heads_have_no_q8_0_blocks(arch, weight_type, tmp_path):
 # ---- the head's plan ---------------------------------------------------------------------
 
 
-def test_the_blocks_take_the_fp16_copys_calls_where_the_kernel_is_vectorized(monkeypatch):
+def _vectorized(monkeypatch, answer: bool) -> None:
     import kernels.lm_head as lm_head_module
-    from kernels.lm_head import LmHead, fp16_plan, narrow_fp16_plan
 
-    weight = (torch.randn(4099, 64) * 0.05).to(torch.bfloat16)
-    blocks = Q8_0Weight.quantize(weight.float())
-    monkeypatch.setattr(lm_head_module, "q8_0_vectorized", lambda: True)
-    head = LmHead(weight, backend=narrow_fp16_plan(), q8_0=blocks)
-    # every call the fp16 copy served (up to 5 rows) takes the blocks; wider ones oneDNN
-    assert [head.backend_for(n) for n in (1, 2, 3, 4, 5, 6, 32)] == ["q8_0"] * 5 + ["onednn"] * 2
-    assert head._fp16 is None and head._q8_0 is not None  # no fp16 copy is made
-    x = torch.randn(2, 64)
-    assert (head(x) - F.linear(x, blocks.dequantized())).abs().max() < 0.02
-    # an fp32 model: the blocks narrow, and the oneDNN copy keeps the exact (not fp16-
-    # rounded) weight, so a row's logits keep one precision whatever its batch
+    monkeypatch.setattr(lm_head_module, "q8_0_vectorized", lambda: answer)
+
+
+def test_the_blocks_take_the_fp16_copys_calls_of_an_fp32_head(monkeypatch):
+    """An fp32 model (the default where the CPU has no native bf16): the blocks narrow, and
+    the oneDNN copy keeps the exact (not fp16-rounded) weight, so a row's logits keep one
+    precision whatever its batch."""
+    from kernels.lm_head import LmHead, fp16_plan
+
+    blocks = Q8_0Weight.quantize(torch.randn(4099, 64) * 0.05)
     exact = blocks.dequantized()
+    _vectorized(monkeypatch, True)
     head = LmHead(exact, backend=fp16_plan(), q8_0=blocks)
     assert head.backend_for(16) == "q8_0" and head._fp16 is None
     if head._packed is not None:  # oneDNN runs here
@@ -191,14 +191,35 @@ def test_the_blocks_take_the_fp16_copys_calls_where_the_kernel_is_vectorized(mon
         want = F.linear(x, exact)
         assert (head(x) - want).abs().max() <= 1e-5 * want.abs().max()
     # a plain C build (or none): the plan as it was, and the blocks let go
-    monkeypatch.setattr(lm_head_module, "q8_0_vectorized", lambda: False)
+    _vectorized(monkeypatch, False)
+    head = LmHead(exact, backend=fp16_plan(), q8_0=blocks)
+    assert head._q8_0 is None and head._fp16 is not None and head.backend_for(1) == "fp16"
+    with pytest.raises(ValueError, match="Q8_0 blocks"):
+        LmHead(exact, backend={1: "q8_0"})
+    with pytest.raises(ValueError, match="Q8_0 blocks of"):
+        LmHead(exact, backend=fp16_plan(), q8_0=Q8_0Weight.quantize(torch.zeros(8, 64)))
+
+
+@pytest.mark.skipif(
+    not (bf16_matmul_supported() and onednn_available()),
+    reason="a bf16 head's wide calls need oneDNN's bf16 product",
+)
+def test_the_blocks_take_the_fp16_copys_calls_of_a_bf16_head(monkeypatch):
+    from kernels.lm_head import LmHead, narrow_fp16_plan
+
+    weight = (torch.randn(4099, 64) * 0.05).to(torch.bfloat16)
+    blocks = Q8_0Weight.quantize(weight.float())
+    _vectorized(monkeypatch, True)
+    head = LmHead(weight, backend=narrow_fp16_plan(), q8_0=blocks)
+    # every call the fp16 copy served (up to 5 rows) takes the blocks; wider ones oneDNN
+    assert [head.backend_for(n) for n in (1, 2, 3, 4, 5, 6, 32)] == ["q8_0"] * 5 + ["onednn"] * 2
+    assert head._fp16 is None and head._q8_0 is not None  # no fp16 copy is made
+    x = torch.randn(2, 64)
+    assert (head(x) - F.linear(x, blocks.dequantized())).abs().max() < 0.02
+    _vectorized(monkeypatch, False)
     head = LmHead(weight, backend=narrow_fp16_plan(), q8_0=blocks)
     assert head._q8_0 is None and head._fp16 is not None
     assert [head.backend_for(n) for n in (1, 4, 8)] == ["fp16", "fp16", "onednn"]
-    with pytest.raises(ValueError, match="Q8_0 blocks"):
-        LmHead(weight, backend={1: "q8_0"})
-    with pytest.raises(ValueError, match="Q8_0 blocks of"):
-        LmHead(weight, backend=narrow_fp16_plan(), q8_0=Q8_0Weight.quantize(torch.zeros(8, 64)))
 
 
 def test_the_kernel_builds_here():
