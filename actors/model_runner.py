@@ -37,7 +37,7 @@ from kernels.compiled_step import cache_root as compile_cache_root
 from kernels.cuda_graphs import GRAPH_BACKENDS
 from kernels.grammar import ByteLRU
 from kernels.host_memory import keep_freed_memory
-from kernels.q8_0_head import kernel_status as q8_0_kernel_status
+from kernels.q8_0 import kernel_status as q8_0_kernel_status
 from transport.messages.control import Ack
 from transport.messages.runner import ForwardBatchMsg, GrammarLoaded, LoadGrammar, StepResultMsg
 from transport.messages.tiers import (
@@ -310,6 +310,8 @@ class ModelRunnerActor(Actor):
             lm_head_plan=self.executor.lm_head.plan,
             q8_0_kernel=q8_0_kernel_status(),
             head_blocks_error=self.executor.head_blocks_error,
+            linear_blocks=self.executor.linear_blocks,
+            linear_blocks_error=self.executor.linear_blocks_error,
             weights_bytes=measured_weight_bytes(model, self.executor.lm_head),
         )
         self.sampler = Sampler()

@@ -32,6 +32,14 @@ Weight layouts for the CPU (`model.linear`), chosen once when a model is built:
   the decoder's weight bytes, and the LM head keeps an fp16 copy of its own
   (`kernels.lm_head.narrow_fp16_plan`).
 
+Where a GGUF stores a stacked projection's parts in blocks that widen to Q8_0 (Q8_0, Q5_0,
+Q4_0: the embedded Gemma 3 270M's q/k/v and gate/up), the ``fp16`` and ``onednn+fp16``
+layouts give the calls of at most `NARROW_ROWS` rows to those blocks instead
+(`Q8_0NarrowLinear`, `kernels.gguf_blocks`, `kernels.q8_0`): the file's own values at 1.125
+bytes a weight, activations rounded to 16 bits, where the fp16 copy reads 2 bytes of
+rounded weights. Wider calls keep the layout's own weight (fbgemm's fp16 for an fp32
+model, oneDNN's bf16 for a bf16 one, which then makes no fp16 copy of those linears).
+
 The plain weight is dropped after packing (`.weight` rebuilds a plain copy on demand), so
 memory stays one copy. A tied LM head keeps the fp32 table for the embedding lookup and
 adds an fp16 copy plus oneDNN's copy of the same rounded values (`kernels.lm_head.fp16_plan`;
@@ -48,11 +56,15 @@ hold a weight or fbgemm does not run); ``aten`` otherwise. `bin/engine bench mod
 from __future__ import annotations
 
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from kernels import graph_ops
+
+if TYPE_CHECKING:
+    from kernels.q8_0 import Q8_0Packed
 
 # fused module name -> its parts, in the order their outputs are stacked
 STACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -215,6 +227,52 @@ class NarrowFp16Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class Q8_0NarrowLinear(nn.Module):
+    """A decoder linear whose weight its GGUF stores in blocks that widen to Q8_0
+    (`kernels.gguf_blocks`): calls of at most `NARROW_ROWS` rows multiply those blocks
+    (`kernels.q8_0`: the file's own values, 1.125 bytes a weight), wider ones `wide`, the
+    layout's own packed weight (`OneDnnLinear` for a bf16 model, `Fp16Linear` for an fp32
+    one). The blocks take the calls an fp16 copy would, so a bf16 model makes none."""
+
+    def __init__(self, wide: nn.Module, blocks: Q8_0Packed) -> None:
+        super().__init__()
+        if (blocks.rows, blocks.hidden) != (wide.out_features, wide.in_features):
+            raise ValueError(
+                f"blocks of [{blocks.rows}, {blocks.hidden}] for a "
+                f"[{wide.out_features}, {wide.in_features}] linear"
+            )
+        self.in_features = wide.in_features
+        self.out_features = wide.out_features
+        self.wide = wide
+        self.blocks = blocks
+        self.handle = graph_ops.register(self)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.wide.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.wide.bias
+
+    def __deepcopy__(self, memo: dict) -> Q8_0NarrowLinear:
+        from copy import deepcopy
+
+        return Q8_0NarrowLinear(deepcopy(self.wide, memo), self.blocks)  # blocks: read-only
+
+    def product(self, rows: Tensor) -> Tensor:
+        if rows.shape[0] > NARROW_ROWS:
+            return self.wide.product(rows)
+        out = self.blocks.product(rows)
+        if self.bias is not None:
+            out += self.bias
+        return out.to(rows.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = graph_ops.product(self, x.reshape(-1, self.in_features))
+        return out.view(*x.shape[:-1], self.out_features)
+
+
 def check_fp16_range(weight: Tensor, what: str) -> None:
     """Refuse a weight fp16 cannot hold (fbgemm would saturate it silently)."""
     largest = _largest_magnitude(weight)
@@ -337,15 +395,34 @@ PACKED_LINEARS: dict[str, type[nn.Module]] = {
 }
 
 
-def pack_linears(module: nn.Module, backend: str = "onednn") -> int:
+# layouts whose narrow calls Q8_0 blocks may take (each holds its weight approximately there)
+BLOCK_LAYOUTS: dict[str, type[nn.Module]] = {"fp16": Fp16Linear, "onednn+fp16": OneDnnLinear}
+
+
+def pack_linears(
+    module: nn.Module,
+    backend: str = "onednn",
+    blocks: dict[str, Q8_0Packed] | None = None,
+    prefix: str = "",
+) -> int:
     """Replace every `nn.Linear` inside `module` by its `backend` form (`OneDnnLinear`,
-    `Fp16Linear`, `NarrowFp16Linear`); returns how many."""
+    `Fp16Linear`, `NarrowFp16Linear`); returns how many. `blocks`: Q8_0 blocks of some
+    linears by module name (`prefix` + the name inside `module`), for a layout of
+    `BLOCK_LAYOUTS`: those become `Q8_0NarrowLinear`s over that layout's wide form."""
     packed = PACKED_LINEARS[backend]
+    blocks = blocks or {}
+    if blocks and backend not in BLOCK_LAYOUTS:
+        raise ValueError(f"Q8_0 blocks go with the {sorted(BLOCK_LAYOUTS)} layouts, not {backend}")
     count = 0
     for name, child in list(module.named_children()):
         if type(child) is nn.Linear:
-            module.add_module(name, packed(child))  # replaces the submodule of that name
+            given = blocks.get(prefix + name)
+            if given is None:
+                replacement = packed(child)
+            else:
+                replacement = Q8_0NarrowLinear(BLOCK_LAYOUTS[backend](child), given)
+            module.add_module(name, replacement)  # replaces the submodule of that name
             count += 1
         else:
-            count += pack_linears(child, backend)
+            count += pack_linears(child, backend, blocks, f"{prefix}{name}.")
     return count

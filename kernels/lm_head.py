@@ -18,7 +18,7 @@ Backends (all take a contiguous [N, H] input in the weight's dtype):
   picked by ``auto`` or ``calibrate``). A plan that names it may pair it with ``onednn``
   only, whose copy then holds the same values (fp16-rounded ones for an fp32 weight): a
   row's logits keep one precision whatever the batch it rides in.
-- ``q8_0``: a GGUF's own Q8_0 blocks of the weight (`kernels.q8_0_head`: int8 values and a
+- ``q8_0``: a GGUF's own Q8_0 blocks of the weight (`kernels.q8_0`: int8 values and a
   scale per 32, 1.125 bytes a weight, through a C kernel with int16 activations). Given
   the blocks beside a plan naming ``fp16``, it takes every call the fp16 copy would, on a
   machine where the kernel builds with AVX2 or wider (a fixed rule: the same logits every
@@ -56,10 +56,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.q8_0_head import Q8_0Weight
-from kernels.q8_0_head import kernel as q8_0_kernel
-from kernels.q8_0_head import kernel_status as q8_0_kernel_status
-from kernels.q8_0_head import vectorized as q8_0_vectorized
+from kernels.q8_0 import Q8_0Weight
+from kernels.q8_0 import kernel as q8_0_kernel
+from kernels.q8_0 import kernel_status as q8_0_kernel_status
+from kernels.q8_0 import vectorized as q8_0_vectorized
 from kernels.quant import QuantizedWeight
 from kernels.timing import timed_runs
 

@@ -40,6 +40,8 @@ from kernels.config import ModelConfig
 from kernels.quant_layout import AS_STORED, INT4_BLOCK_TYPES, INT4_GROUP, INT4_ROWS
 
 GIB = 1 << 30
+Q8_0_BYTES = 1 + 4 / 32  # a weight held as packed Q8_0 blocks (int8, an fp32 scale per 32)
+Q8_0_WIDENED = ("Q8_0", "Q5_0", "Q4_0")  # GGUF types `kernels.gguf_blocks` reads so
 LOW_HEADROOM_SHARE = 0.05  # a plan leaving less than this share of memory free is warned of
 _DTYPE_BYTES = {
     "float32": 4,
@@ -128,14 +130,15 @@ def weight_bytes(
     quantized = quantization != "none"
     stored = d  # bytes a decoder weight is held in
     if not quantized and linear == "fp16":
-        stored = 2  # fp16-packed
+        # fp16-packed, plus Q8_0 blocks of the linears a GGUF stores so (kernels.gguf_blocks)
+        stored = 2 + Q8_0_BYTES * widened_share(c)
     elif not quantized and linear == "onednn+fp16":
-        stored = d + 2  # the model dtype's packed copy and an fp16 one
+        stored = d + 2  # the model dtype's packed copy and an fp16 one (or fewer: Q8_0 blocks)
 
     def lin(out_features: int, in_features: int) -> int:
         if quantized:
             return linear_bytes(out_features, in_features, d, quantization, activation_bytes)
-        return out_features * in_features * stored
+        return round(out_features * in_features * stored)
 
     qkv_out = c.q_size + 2 * c.kv_size
     layer = (
@@ -168,6 +171,14 @@ def weight_bytes(
     elif lm_head_onednn:
         head += table * d
     return WeightBytes(embedding=embedding, decoder=decoder, lm_head=head)
+
+
+def widened_share(config: ModelConfig) -> float:
+    """Share of a GGUF's decoder linears stored in blocks that widen to Q8_0 (Q8_0, Q5_0,
+    Q4_0: `kernels.gguf_blocks`), an upper bound of the share that gets such blocks."""
+    types = config.extra.get("linear_types") or {}
+    total = sum(types.values())
+    return sum(n for t, n in types.items() if t in Q8_0_WIDENED) / total if total else 0.0
 
 
 def int4_share(config: ModelConfig) -> float:
@@ -235,9 +246,9 @@ def measured_weight_bytes(model: Any, lm_head: Any = None) -> int:
             else:  # fbgemm's opaque object
                 total += int(module.weight_bytes)
             add(getattr(module, "bias", None))
-        quantized = getattr(module, "quantized", None)
-        for t in getattr(quantized, "tensors", ()):
-            add(t)
+        for holder in (getattr(module, "quantized", None), getattr(module, "blocks", None)):
+            for t in getattr(holder, "tensors", ()):  # QuantizedLinear, Q8_0NarrowLinear
+                add(t)
     if lm_head is not None:
         add(getattr(lm_head, "weight", None))
         add(getattr(lm_head, "_packed", None))

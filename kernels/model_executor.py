@@ -41,12 +41,14 @@ class ModelExecutor:
         linear: str = "aten",
         compile_steps: bool = False,
     ) -> None:
-        from kernels.linear import choose_linear_backend, pack_linears
+        from kernels.linear import BLOCK_LAYOUTS, choose_linear_backend, pack_linears
         from kernels.lm_head import fp16_plan, narrow_fp16_plan
 
         self.config = config
         self.model = model
         self.head_blocks_error: str | None = None  # why the head's Q8_0 blocks were not read
+        self.linear_blocks_error: str | None = None  # why some linears' blocks were not read
+        self.linear_blocks = 0  # decoder linears whose narrow calls read their GGUF's blocks
         self.kv_cache = kv_cache
         self.attention = attention_backend
         self.req_to_token = req_to_token
@@ -62,7 +64,8 @@ class ModelExecutor:
         # The decoder's linears are packed in place once (a model packed by an earlier
         # executor has no plain nn.Linear left to pack).
         if self.linear != "aten":
-            pack_linears(model.layers, self.linear)
+            blocks = self._linear_blocks(model) if self.linear in BLOCK_LAYOUTS else {}
+            pack_linears(model.layers, self.linear, blocks, prefix="layers.")
         if lm_head is None:
             lm_head = LmHead(
                 model.lm_head_weight,
@@ -95,19 +98,54 @@ class ModelExecutor:
             self.compiled = CompiledStep(self)
 
     def _q8_0_head(self, model: nn.Module):
-        """The head's Q8_0 blocks as its GGUF stores them (kernels/q8_0_head), for the
+        """The head's Q8_0 blocks as its GGUF stores them (kernels/q8_0), for the
         narrow calls of a layout that already approximates the head (its fp16 copy); None
         where the model is no such GGUF or the kernel is no faster here (LmHead's rule)."""
-        from kernels.q8_0_head import Q8_0Weight, vectorized
+        from kernels.gguf_blocks import head_blocks
+        from kernels.q8_0 import vectorized
 
         path = getattr(model, "gguf_path", None)
         if path is None or self.device.type != "cpu" or not vectorized():
             return None
         try:
-            return Q8_0Weight.from_gguf(path, self.config)
+            return head_blocks(path, self.config)
         except (OSError, ValueError) as exc:  # an unreadable file: the fp16 copy, as before
             self.head_blocks_error = f"{path}: {exc}"
             return None
+
+    def _linear_blocks(self, model: nn.Module) -> dict:
+        """The decoder linears' blocks that widen to Q8_0 (kernels/gguf_blocks), packed for
+        the kernel, by module name, for the narrow calls of a layout that approximates its
+        weights there (fp16 copies), under the head's rule (`_q8_0_head`). Each is checked
+        against the weight the model loaded (equal, in the model's dtype); one that differs
+        is left out, and named in `linear_blocks_error`."""
+        from kernels.gguf_blocks import linear_blocks
+        from kernels.q8_0 import vectorized
+
+        path = getattr(model, "gguf_path", None)
+        if path is None or self.device.type != "cpu" or not vectorized():
+            return {}
+        try:
+            found = linear_blocks(path, self.config)
+        except (OSError, ValueError) as exc:  # an unreadable file: the fp16 copies, as before
+            self.linear_blocks_error = f"{path}: {exc}"
+            return {}
+        out, differ = {}, []
+        for name, blocks in found.items():
+            module = model.get_submodule(name)
+            if type(module) is not nn.Linear:  # packed already (by an earlier executor)
+                continue
+            weight = module.weight.detach()
+            if blocks.shape == tuple(weight.shape) and torch.equal(
+                blocks.dequantized().to(weight.dtype), weight
+            ):
+                out[name] = blocks.packed()
+            else:
+                differ.append(name)
+        if differ:
+            self.linear_blocks_error = f"blocks unlike the loaded weights: {', '.join(differ)}"
+        self.linear_blocks = len(out)
+        return out
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> Tensor:

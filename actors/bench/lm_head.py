@@ -21,9 +21,9 @@ from torch import Tensor
 
 from actors.bench.timing import time_calls
 from kernels.lm_head import LmHead
-from kernels.q8_0_head import Q8_0Weight
-from kernels.q8_0_head import kernel as q8_0_kernel
-from kernels.q8_0_head import kernel_status as q8_0_kernel_status
+from kernels.q8_0 import Q8_0Weight
+from kernels.q8_0 import kernel as q8_0_kernel
+from kernels.q8_0 import kernel_status as q8_0_kernel_status
 from kernels.sampling import Sampler
 from transport.messages.params import GenerationParams
 
@@ -73,7 +73,7 @@ def bench_head(
     candidates["MkldnnLinear"] = _mkldnn_linear(weight)
     if q8_0_kernel() is not None and hidden_size % 32 == 0:
         # a GGUF's Q8_0 blocks (of this random weight: its error is the blocks', which a
-        # Q8_0 model's head has already; kernels/q8_0_head)
+        # Q8_0 model's head has already; kernels/q8_0)
         candidates["q8_0"] = Q8_0Weight.quantize(weight.float()).packed().product
     else:
         print(f"q8_0: {q8_0_kernel_status()}")

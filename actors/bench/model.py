@@ -78,14 +78,14 @@ def step_read_bytes(model: torch.nn.Module, head) -> int:
     """Weight bytes a batch-1 decode step reads: every decoder layer's as loaded (packed,
     quantized or plain) and the LM head's in the form its batch-1 backend reads (the
     embedding table is gathered a row at a time, so it is not counted)."""
-    from kernels.linear import NarrowFp16Linear
+    from kernels.linear import NarrowFp16Linear, Q8_0NarrowLinear
     from kernels.memory_plan import measured_weight_bytes
 
     layers = sum(measured_weight_bytes(layer) for layer in model.layers)
-    # onednn+fp16 holds two copies; a narrow step reads the fp16 one only
-    layers -= sum(
-        m.wide.weight_bytes for m in model.layers.modules() if isinstance(m, NarrowFp16Linear)
-    )
+    # two copies (onednn+fp16's, or Q8_0 blocks beside a wide layout): a narrow step reads
+    # the fp16 copy or the blocks only
+    narrow = (NarrowFp16Linear, Q8_0NarrowLinear)
+    layers -= sum(m.wide.weight_bytes for m in model.layers.modules() if isinstance(m, narrow))
     backend = head.backend_for(1)
     if backend == "fp16":
         head_bytes = head.vocab_size * head.hidden_size * 2

@@ -1,4 +1,4 @@
-"""The LM head read from a GGUF's own Q8_0 blocks (kernels/q8_0_head, csrc/q8_0_gemv.c).
+"""The LM head read from a GGUF's own Q8_0 blocks (kernels/q8_0, gguf_blocks, csrc/q8_0_gemv.c).
 
 The kernel is checked on every instruction set this machine can run (AVX-512 with and
 without VNNI, AVX2, plain C: each a build of its own) against the product it promises:
@@ -18,15 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import bf16_matmul_supported, cpu_features
+from kernels.gguf_blocks import head_blocks
 from kernels.lm_head import onednn_available
-from kernels.q8_0_head import (
+from kernels.q8_0 import (
     BLOCK,
     Q8_0Weight,
     build_library,
     compiler,
     kernel,
     load_library,
-    q8_0_head_location,
 )
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler to build the kernel")
@@ -136,7 +136,7 @@ def test_a_tied_q8_0_embedding_is_read_as_stored(tmp_path):
     made = write_tiny_gguf(tmp_path / "tied.gguf", "qwen2", "Q8_0", save_hf=False)
     path = made["gguf_path"]
     config = load_config(str(path))
-    blocks = Q8_0Weight.from_gguf(path, config)
+    blocks = head_blocks(path, config)
     table = load_model_weights(str(path), torch.float32)["embed_tokens.weight"]
     assert blocks is not None and torch.equal(blocks.dequantized(), table)
     assert not blocks.q.is_contiguous()  # read in place, in the file's own records
@@ -144,14 +144,14 @@ def test_a_tied_q8_0_embedding_is_read_as_stored(tmp_path):
     copied = Q8_0Weight(blocks.q.contiguous(), blocks.scales)
     assert torch.equal(blocks.packed().product(x), copied.packed().product(x))
     # where the blocks lie is found once, then read from the artifact folder
-    record = next(path.parent.glob("*.kvactor")) / "q8_0_head.json"
+    record = next(path.parent.glob("*.kvactor")) / "tensor_locations.json"
     saved = json.loads(record.read_text())
-    saved["where"] = [0, 1, 64]  # a record we can tell apart
+    saved["where"]["token_embd.weight"][2:] = [1, 64]  # a record we can tell apart
     record.write_text(json.dumps(saved))
-    assert q8_0_head_location(path, config) == (0, 1, 64)
+    assert head_blocks(path, config).shape == (1, 64)
     saved["stamp"] = "stale"
     record.write_text(json.dumps(saved))
-    assert q8_0_head_location(path, config)[1:] == tuple(blocks.shape)
+    assert head_blocks(path, config).shape == blocks.shape
 
 
 @pytest.mark.parametrize(
@@ -163,7 +163,7 @@ def test_other_heads_have_no_q8_0_blocks(arch, weight_type, tmp_path):
     from tests.model.gguf_fixtures import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "m.gguf", arch, weight_type, save_hf=False)["gguf_path"]
-    assert Q8_0Weight.from_gguf(path, load_config(str(path))) is None
+    assert head_blocks(path, load_config(str(path))) is None
 
 
 # ---- the head's plan ---------------------------------------------------------------------
@@ -236,7 +236,7 @@ def test_the_embedded_heads_blocks_are_its_weights_and_closer_than_the_fp16_copy
     from kernels.models import load_model
 
     config, model = load_model(None, torch.float32)
-    blocks = Q8_0Weight.from_gguf(default_model_path(), config)
+    blocks = head_blocks(default_model_path(), config)
     assert blocks is not None and torch.equal(blocks.dequantized(), model.lm_head_weight)
     assert model.gguf_path == str(default_model_path())
     hidden = torch.randn(4, config.hidden, generator=torch.Generator().manual_seed(0))

@@ -117,7 +117,9 @@ def test_llama_8b_weights_in_each_mode():
 def test_gemma_weights_as_the_cpu_runner_holds_them():
     """Measured on a loaded engine with `measured_weight_bytes` (bf16 871,740,672; fp32
     1,743,481,344; fp32 with fp16 linears 1,878,485,504; bf16 with onednn+fp16 linears
-    1,407,825,152; bf16 int8 604,471,552; bf16 int4 503,182,592): the estimate is exact."""
+    1,407,825,152; bf16 int8 604,471,552; bf16 int4 503,182,592), before the head and
+    linears read the GGUF's Q8_0 blocks: the estimate is exact for such a layout (this
+    config carries no GGUF types; with them it counts the blocks, `widened_share`)."""
     bf16 = weight_bytes(GEMMA, 2, lm_head_onednn=True)  # + oneDNN's copy of the tied head
     assert (bf16.embedding, bf16.decoder, bf16.lm_head) == (
         2 * GEMMA_TABLE,
@@ -352,3 +354,21 @@ def test_the_plan_figures_are_gauges_not_cache_config_labels():
     [info] = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info")]
     assert "memory" not in info and 'num_gpu_blocks="512"' in info
     assert "memory_weights" not in GatewayMetrics("m", 4096).render(None, None).decode()
+
+
+def test_fp16_linears_count_the_q8_0_blocks_a_gguf_gives_them():
+    """An fp32 model's fp16 layout also holds Q8_0 blocks of the linears its GGUF stores in
+    Q8_0 / Q5_0 / Q4_0 (kernels.gguf_blocks): the estimate adds 1.125 bytes a weight over
+    those types' share of the linears (the embedded model's mix: 65% of its linears)."""
+    import dataclasses
+
+    types = {"Q5_0": 63_406_080, "Q8_0": 1_474_560, "Q4_K": 23_592_960, "Q6_K": 11_796_480}
+    gguf = dataclasses.replace(GEMMA, extra={**GEMMA.extra, "linear_types": types})
+    share = (63_406_080 + 1_474_560) / sum(types.values())
+    plain = weight_bytes(GEMMA, 4, linear="fp16").decoder
+    with_blocks = weight_bytes(gguf, 4, linear="fp16").decoder
+    assert with_blocks - plain == pytest.approx(1.125 * share * 18 * 5_570_560, rel=1e-6)
+    # a bf16 model's blocks replace fp16 copies (2 bytes): the estimate stays an upper bound
+    assert weight_bytes(gguf, 2, linear="onednn+fp16") == weight_bytes(
+        GEMMA, 2, linear="onednn+fp16"
+    )

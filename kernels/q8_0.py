@@ -1,10 +1,10 @@
-"""The LM head read from a GGUF's own Q8_0 blocks (the embedded Gemma 3 270M's head).
+"""Products with weights held as Q8_0 blocks: a GGUF's own, read at the bytes they need.
 
-A tied embedding stored as Q8_0 (one fp16 scale and 32 int8 values a block) is the model's
-head weight exactly: `Q8_0Weight` reads those values where the file keeps them, and packs
-them once for the kernel (int8 values and fp32 scales: 1.125 bytes a weight, against 2 for
-the fp16 copy a narrow step otherwise streams). A decode step reads every weight of the
-head once, so the fewer bytes are the point.
+Q8_0 holds a weight as blocks of 32 int8 values and one scale (fp16 in the file, fp32 here):
+1.125 bytes a weight, against 2 for an fp16 copy. A decode step reads every weight once, so
+the fewer bytes are the point. `kernels.gguf_blocks` finds a model's blocks: the embedded
+Gemma 3 270M's tied head (Q8_0, read where the file keeps it) and its q/k/v and gate/up
+linears (Q5_0 and Q8_0, widened to int8); `Q8_0Weight` holds them and packs them once.
 
 The product is a small C kernel (`csrc/q8_0_gemv.c`: AVX-512 with or without VNNI, AVX2 or
 plain C, whichever the machine has), compiled at first use with `-march=native` and cached
@@ -12,11 +12,13 @@ per source and CPU under the kvactor cache, loaded with ctypes; it runs on the p
 OpenMP team (torch's). It reads the blocks repacked into tiles of 16 rows
 (`Q8_0Weight.packed`). Its activations are quantized per 32-block to int16 (each value off
 by at most 2^-16 of its block's largest), so on a bf16 model (activations already rounded to
-bf16's 8 bits) its logits are as close to the exact path's as the fp16 copy's, or closer:
-that copy holds the weights rounded to bf16 (tests/model/test_q8_0_head.py; `bin/engine
-bench quality` measures the model). The head takes it in place of the fp16 copy wherever
-the kernel builds with AVX2 or wider (`LmHead`, `vectorized`); where no C compiler runs,
-the kernel is unavailable and the head keeps its fp16 copy (`kernel_status` says why).
+bf16's 8 bits) its results are as close to the exact path's as an fp16 copy's, or closer:
+that copy holds the weights rounded to bf16, or to fp16 on an fp32 model
+(tests/model/test_q8_0_head.py, test_gguf_blocks.py; `bin/engine bench quality` measures
+the model). The head (`LmHead`) and the linears (`kernels.linear.Q8_0NarrowLinear`) take
+it in place of their fp16 copies wherever the kernel builds with AVX2 or wider
+(`vectorized`); where no C compiler runs, the kernel is unavailable and they keep those
+copies (`kernel_status` says why).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -39,7 +40,6 @@ SOURCE = Path(__file__).parent / "csrc" / "q8_0_gemv.c"
 BLOCK = 32
 TILE = 16  # rows per tile of the packed layout
 BUILD_TIMEOUT_S = 120
-LOCATION_VERSION = 1  # of the cached `q8_0_head_location` record
 ISA_NAMES = {3: "avx512-vnni", 2: "avx512bw", 1: "avx2", 0: "plain C"}
 
 _lock = threading.Lock()
@@ -74,25 +74,9 @@ class Q8_0Weight:
         return (self.q.float() * self.scales[..., None]).reshape(self.shape)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, config) -> Q8_0Weight | None:
-        """The tied head of a GGUF whose embedding is stored as Q8_0, its values read in
-        place (a copy-on-write map of the file: `packed` reads them once); None for any
-        other file (an untied head, another type, values the loader changes). Where the
-        blocks lie in the file is found once (parsing a large vocabulary's metadata takes
-        seconds) and kept beside the file's other derived artifacts."""
-        where = q8_0_head_location(Path(path), config)
-        if where is None:
-            return None
-        offset, v, h = where
-        raw = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(v, h // BLOCK, 34))
-        scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0].astype(np.float32)
-        q = torch.from_numpy(raw[..., 2:].view(np.int8))
-        return cls(q, torch.from_numpy(scales))
-
-    @classmethod
     def quantize(cls, weight: Tensor) -> Q8_0Weight:
         """`weight` [V, H] in Q8_0 blocks as llama.cpp quantizes it (for tests and benches;
-        a model's own head comes `from_gguf`)."""
+        a GGUF's own come from `kernels.gguf_blocks`)."""
         v, h = weight.shape
         blocks = weight.detach().float().reshape(v, h // BLOCK, BLOCK)
         scales = (blocks.abs().amax(-1) / 127).half().float()  # Q8_0 stores fp16 scales
@@ -167,48 +151,6 @@ def _library_or_raise(lib: ctypes.CDLL | None) -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"the Q8_0 kernel is unavailable: {_status}")
     return lib
-
-
-def q8_0_head_location(path: Path, config) -> tuple[int, int, int] | None:
-    """(byte offset, rows, columns) of a GGUF's tied Q8_0 embedding, or None (see
-    `Q8_0Weight.from_gguf`); cached in the GGUF's artifact folder, stamped with its
-    identity."""
-    import json
-
-    from kernels.gguf_loader import _atomic_write_text, artifact_dir, file_identity
-
-    cache = artifact_dir(path) / "q8_0_head.json"
-    stamp = f"{LOCATION_VERSION}:{file_identity(path)}"
-    try:
-        saved = json.loads(cache.read_text())
-        if saved.get("stamp") == stamp:
-            return tuple(saved["where"]) if saved["where"] else None
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # none yet, or stale: found again below
-    where = _find_q8_0_head(path, config)
-    _atomic_write_text(cache, json.dumps({"stamp": stamp, "where": where}))
-    return where
-
-
-def _find_q8_0_head(path: Path, config) -> tuple[int, int, int] | None:
-    import gguf
-
-    from kernels.gguf_archs import row_order, value_fixup
-
-    reader = gguf.GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
-    table = tensors.get("token_embd.weight")
-    if (
-        table is None
-        or "output.weight" in tensors
-        or table.tensor_type != gguf.GGMLQuantizationType.Q8_0
-        or value_fixup(config.arch, "token_embd.weight") is not None
-    ):
-        return None
-    h, v = (int(d) for d in table.shape)
-    if h % BLOCK or row_order(config, "token_embd.weight", v) is not None:
-        return None
-    return int(table.data_offset), v, h
 
 
 def kernel() -> ctypes.CDLL | None:
