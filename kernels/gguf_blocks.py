@@ -8,7 +8,7 @@ minimum (Q4_1, Q5_1, Q4_K, Q5_K) or scales per 16 (Q6_K) are no such form: their
 keep their float layout.
 
 `head_blocks` reads a tied head stored as Q8_0 where the file keeps it (a copy-on-write
-map: `Q8_0Weight.packed` reads it once). `linear_blocks` reads, for every stacked projection
+map: `Q8_0Weight.packed` reads it once). `iter_linear_blocks` reads, for every stacked projection
 (`kernels.linear.STACKED_PROJECTIONS`: qkv, gate/up) whose parts are all stored so, the
 parts' blocks with the loader's row order (`gguf_archs.row_order`, Llama's q and k),
 stacked in the model's order. Where each tensor lies in the file is found once (reading a
@@ -19,6 +19,7 @@ large vocabulary's metadata takes seconds) and kept beside the file's other arti
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -87,9 +88,10 @@ def read_part(path: Path, where: list[int], name: str, config) -> Q8_0Weight:
     return Q8_0Weight(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scales))
 
 
-def linear_blocks(path: str | Path, config) -> dict[str, Q8_0Weight]:
-    """Stacked projection's module name (`layers.0.self_attn.qkv_proj`) -> its weight's
-    blocks, for each projection whose parts all widen to Q8_0 and need no value change."""
+def iter_linear_blocks(path: str | Path, config) -> Iterator[tuple[str, Q8_0Weight]]:
+    """(stacked projection's module name, e.g. `layers.0.self_attn.qkv_proj`, its weight's
+    blocks), one projection at a time, for each whose parts all widen to Q8_0 and need no
+    value change."""
     path = Path(path)
     by_param = {}
     for gguf_name, place in tensor_locations(path).items():
@@ -100,18 +102,21 @@ def linear_blocks(path: str | Path, config) -> dict[str, Q8_0Weight]:
         if name and place[1] in RECORD_BYTES and place[3] % BLOCK == 0:
             if value_fixup(config.arch, name) is None:
                 by_param[name] = place
-    out = {}
     for layer in range(config.num_layers):
         for fused, parts in STACKED_PROJECTIONS.items():
             module = "self_attn" if fused == "qkv_proj" else "mlp"
             names = [f"layers.{layer}.{module}.{p}.weight" for p in parts]
-            if not all(n in by_param for n in names):
-                continue
-            read = [read_part(path, by_param[n], n, config) for n in names]
-            out[f"layers.{layer}.{module}.{fused}"] = Q8_0Weight(
-                torch.cat([r.q for r in read]), torch.cat([r.scales for r in read])
-            )
-    return out
+            if all(n in by_param for n in names):
+                read = [read_part(path, by_param[n], n, config) for n in names]
+                yield (
+                    f"layers.{layer}.{module}.{fused}",
+                    Q8_0Weight(torch.cat([r.q for r in read]), torch.cat([r.scales for r in read])),
+                )
+
+
+def linear_blocks(path: str | Path, config) -> dict[str, Q8_0Weight]:
+    """`iter_linear_blocks` as a dict (every projection's blocks at once)."""
+    return dict(iter_linear_blocks(path, config))
 
 
 def head_blocks(path: str | Path, config) -> Q8_0Weight | None:

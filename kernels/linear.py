@@ -19,8 +19,9 @@ Weight layouts for the CPU (`model.linear`), chosen once when a model is built:
   activations, accumulation and outputs stay fp32. A decode step streams every weight
   once, so half the bytes is up to half the time where memory bandwidth bounds the step
   (batch 1); the only approximation is the weight's rounding to fp16's 11 significant bits
-  (relative error <= 2^-11 for |w| >= 2^-14, 8 times finer than bf16's). A weight beyond
-  fp16's range (|w| > 65504) is refused rather than saturated.
+  (relative error <= 2^-11 for |w| >= 2^-14, 8 times finer than bf16's), except in the
+  narrow calls that read a GGUF's blocks (below). A weight beyond fp16's range
+  (|w| > 65504) is refused rather than saturated.
 
 * ``onednn+fp16``: bf16 models only. Each weight twice: oneDNN-packed bf16 (as ``onednn``)
   for calls of more than `NARROW_ROWS` rows, and an fp16 copy packed for fbgemm for
@@ -30,7 +31,8 @@ Weight layouts for the CPU (`model.linear`), chosen once when a model is built:
   subnormals), the narrow product accumulates in fp32 and rounds its output to bf16 as the
   wide one does, so a row's result differs between the two by summation order only. Twice
   the decoder's weight bytes, and the LM head keeps an fp16 copy of its own
-  (`kernels.lm_head.narrow_fp16_plan`).
+  (`kernels.lm_head.narrow_fp16_plan`); linears that read a GGUF's blocks (below) and a
+  head that does hold no fp16 copy.
 
 Where a GGUF stores a stacked projection's parts in blocks that widen to Q8_0 (Q8_0, Q5_0,
 Q4_0: the embedded Gemma 3 270M's q/k/v and gate/up), the ``fp16`` and ``onednn+fp16``
@@ -38,7 +40,11 @@ layouts give the calls of at most `NARROW_ROWS` rows to those blocks instead
 (`Q8_0NarrowLinear`, `kernels.gguf_blocks`, `kernels.q8_0`): the file's own values at 1.125
 bytes a weight, activations rounded to 16 bits, where the fp16 copy reads 2 bytes of
 rounded weights. Wider calls keep the layout's own weight (fbgemm's fp16 for an fp32
-model, oneDNN's bf16 for a bf16 one, which then makes no fp16 copy of those linears).
+model, oneDNN's bf16 for a bf16 one, which then makes no fp16 copy of those linears). A
+row's result can then differ between a narrow and a wide call by the wide weight's rounding
+(fp16's or bf16's) and the activations' (2^-16 of a block's largest), as the head's
+(`kernels.lm_head`); tests/model/test_batch_invariance.py checks greedy output alone and
+in a batch of 24 on the embedded model.
 
 The plain weight is dropped after packing (`.weight` rebuilds a plain copy on demand), so
 memory stays one copy. A tied LM head keeps the fp32 table for the embedding lookup and
@@ -395,6 +401,8 @@ PACKED_LINEARS: dict[str, type[nn.Module]] = {
 }
 
 
+# every packed form of a linear (what `kernels.quant.quantize_linears` also replaces)
+PACKED_FORMS: tuple[type[nn.Module], ...] = (*PACKED_LINEARS.values(), Q8_0NarrowLinear)
 # layouts whose narrow calls Q8_0 blocks may take (each holds its weight approximately there)
 BLOCK_LAYOUTS: dict[str, type[nn.Module]] = {"fp16": Fp16Linear, "onednn+fp16": OneDnnLinear}
 

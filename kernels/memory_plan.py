@@ -120,10 +120,13 @@ def weight_bytes(
 ) -> WeightBytes:
     """What our modules hold for `config` with weights in `dtype_bytes` and `quantization`
     (none / int8 / int4). `linear`: the decoder linears' layout when exact ("fp16": fp16
-    copies of fp32 weights; "onednn+fp16": the model dtype's and an fp16 copy; "aten" /
-    "onednn": the model dtype). `lm_head_onednn`: the exact
-    LM head keeps a oneDNN-packed copy of its weight (the CPU's `LmHead`; with "fp16" linears
-    it is the copy of the fp16-rounded values in fp32)."""
+    copies of fp32 weights, plus Q8_0 blocks of those a GGUF stores so, `widened_share`;
+    "onednn+fp16": the model dtype's and an fp16 copy, or fewer bytes of blocks in its
+    place; "aten" / "onednn": the model dtype). `lm_head_onednn`: the exact LM head keeps a
+    oneDNN-packed copy of its weight (the CPU's `LmHead`; with "fp16" linears, of the
+    fp16-rounded values in fp32, or of the exact ones where the head reads Q8_0 blocks in
+    place of its fp16 copy: the same bytes). The head's blocks are counted as that fp16 copy
+    (2 bytes a weight against their 1.125): an upper bound."""
     if quantization == AS_STORED:
         return _as_stored_bytes(config, dtype_bytes, activation_bytes)
     c, d = config, dtype_bytes
@@ -216,7 +219,8 @@ def _as_stored_bytes(config: ModelConfig, d: int, activation_bytes: int | None) 
 def measured_weight_bytes(model: Any, lm_head: Any = None) -> int:
     """Bytes a loaded model holds: its parameters and buffers (storages shared by several
     tensors, as a tied embedding and head, counted once), its packed and quantized linears
-    (`OneDnnLinear`, `Fp16Linear`, `QuantizedLinear`), and `lm_head`'s (an `LmHead`, e.g. the
+    (`OneDnnLinear`, `Fp16Linear`, `QuantizedLinear`, the blocks of `Q8_0NarrowLinear`), and
+    `lm_head`'s (an `LmHead`, e.g. the
     executor's) weight and copies. For the runner to report beside the estimate."""
     import torch
 

@@ -119,29 +119,27 @@ class ModelExecutor:
         weights there (fp16 copies), under the head's rule (`_q8_0_head`). Each is checked
         against the weight the model loaded (equal, in the model's dtype); one that differs
         is left out, and named in `linear_blocks_error`."""
-        from kernels.gguf_blocks import linear_blocks
+        from kernels.gguf_blocks import iter_linear_blocks
         from kernels.q8_0 import vectorized
 
         path = getattr(model, "gguf_path", None)
         if path is None or self.device.type != "cpu" or not vectorized():
             return {}
-        try:
-            found = linear_blocks(path, self.config)
+        if not any(type(m) is nn.Linear for m in model.layers.modules()):
+            return {}  # packed already (by an earlier executor)
+        out, differ = {}, []
+        try:  # one projection's blocks at a time: packed, or dropped
+            for name, blocks in iter_linear_blocks(path, self.config):
+                weight = model.get_submodule(name).weight.detach()
+                if blocks.shape == tuple(weight.shape) and torch.equal(
+                    blocks.dequantized().to(weight.dtype), weight
+                ):
+                    out[name] = blocks.packed()
+                else:
+                    differ.append(name)
         except (OSError, ValueError) as exc:  # an unreadable file: the fp16 copies, as before
             self.linear_blocks_error = f"{path}: {exc}"
             return {}
-        out, differ = {}, []
-        for name, blocks in found.items():
-            module = model.get_submodule(name)
-            if type(module) is not nn.Linear:  # packed already (by an earlier executor)
-                continue
-            weight = module.weight.detach()
-            if blocks.shape == tuple(weight.shape) and torch.equal(
-                blocks.dequantized().to(weight.dtype), weight
-            ):
-                out[name] = blocks.packed()
-            else:
-                differ.append(name)
         if differ:
             self.linear_blocks_error = f"blocks unlike the loaded weights: {', '.join(differ)}"
         self.linear_blocks = len(out)

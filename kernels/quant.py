@@ -288,11 +288,11 @@ def quantize_linears(
 ) -> int:
     """Replace every `nn.Linear` (plain or packed) inside `module` by a `QuantizedLinear` of
     `kind` computing with `activations`; returns how many."""
-    from kernels.linear import PACKED_LINEARS
+    from kernels.linear import PACKED_FORMS
 
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, (nn.Linear, *PACKED_LINEARS.values())):
+        if isinstance(child, (nn.Linear, *PACKED_FORMS)):
             # replaces the submodule of that name
             module.add_module(name, QuantizedLinear(child, kind, activations))
             count += 1

@@ -97,7 +97,7 @@ def load_model(
     model = build_model(config, load_model_weights(path, dtype, config), dtype)
     kind, source = resolve_model_source(path)
     if kind == "gguf":
-        model.gguf_path = str(source)  # where its head's own blocks are (kernels/q8_0)
+        model.gguf_path = str(source)  # its head's and linears' own blocks (kernels/gguf_blocks)
     return config, model
 
 

@@ -444,6 +444,7 @@ WEIGHT_TYPES = {
     "BF16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "Q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     "Q4_0": (Q.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+    "Q5_0": (Q.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
     "Q4_K": (Q.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_S),
     "Q5_K": (Q.Q5_K, gguf.LlamaFileType.MOSTLY_Q5_K_S),
     "Q6_K": (Q.Q6_K, gguf.LlamaFileType.MOSTLY_Q6_K),

@@ -98,6 +98,7 @@ def make_executor(
     row_capacity: int,
     page_size: int = 1,
     lm_head: LmHead | None = None,
+    linear: str = "aten",
 ) -> tuple[ModelExecutor, ContiguousSlots]:
     dtype = model.embed_tokens.weight.dtype
     slots = ContiguousSlots(num_rows, row_capacity, first_slot=page_size)
@@ -113,7 +114,8 @@ def make_executor(
         kv,
         make_attention_backend("torch"),
         table,
-        lm_head=lm_head or shared_lm_head(config, model),
+        lm_head=lm_head or (shared_lm_head(config, model) if linear == "aten" else None),
+        linear=linear,
     )
     return executor, slots
 

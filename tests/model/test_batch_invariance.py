@@ -14,6 +14,7 @@ import pytest
 from kernels.forward_batch import ForwardBatch
 from kernels.linear import fp16_linear_works, pack_linears
 from kernels.lm_head import LmHead, fp16_plan, onednn_available
+from kernels.q8_0 import vectorized as q8_0_vectorized
 from kernels.tokenizer_loader import load_tokenizer
 from tests.model.model_fixtures import GreedyRunner, make_executor
 
@@ -140,5 +141,28 @@ def test_fp16_layout_batch_of_24_matches_alone(model, prompts):
         alone.append(GreedyRunner(executor, slots).generate([prompt], NEW_TOKENS)[0])
     executor, slots = make_executor(config, fp16, len(batch), CAPACITY, lm_head=head)
     assert head.backend_for(len(batch)) != head.backend_for(1) or not onednn_available()
+    together = GreedyRunner(executor, slots).generate(batch, NEW_TOKENS)
+    assert together[:8] == alone
+
+
+@pytest.mark.skipif(
+    not (fp16_linear_works() and q8_0_vectorized()), reason="needs fbgemm's fp16 and the kernel"
+)
+def test_fp16_layout_with_gguf_blocks_batch_of_24_matches_alone(model, prompts):
+    """The fp32 model as the runner builds it (`model.linear = "fp16"` on the embedded GGUF):
+    narrow calls read the head's and the q/k/v and gate/up linears' own blocks (int16
+    activations), wide ones oneDNN's exact head and fbgemm's fp16 linears. A request's
+    greedy output is the same alone and among 24."""
+    config, module = model
+    fp16 = copy.deepcopy(module)
+    first, _ = make_executor(config, fp16, 1, CAPACITY, linear="fp16")
+    assert first.linear_blocks == 2 * config.num_layers and first.lm_head.backend_for(1) == "q8_0"
+    head = first.lm_head
+    batch = [prompts[i % len(prompts)][: 40 + 13 * i] for i in range(24)]
+    alone = []
+    for prompt in batch[:8]:
+        executor, slots = make_executor(config, fp16, 1, CAPACITY, lm_head=head)
+        alone.append(GreedyRunner(executor, slots).generate([prompt], NEW_TOKENS)[0])
+    executor, slots = make_executor(config, fp16, len(batch), CAPACITY, lm_head=head)
     together = GreedyRunner(executor, slots).generate(batch, NEW_TOKENS)
     assert together[:8] == alone

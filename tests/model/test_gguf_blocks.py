@@ -40,7 +40,7 @@ def test_widened_records_are_the_values_ggml_dequantizes(qtype):
         widen(records[..., :-1], int(qtype))
 
 
-@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q5_0", "Q4_0"])
 def test_the_stacked_blocks_are_the_loaded_weights(weight_type, tmp_path):
     """Llama (its q and k rows permuted in the file) and Qwen 2: every qkv and gate/up
     projection's blocks equal the stacked weights the loader hands the model."""
@@ -130,7 +130,8 @@ def _executor(path, dtype, linear, before=None):
         ),
     ],
 )
-def test_the_executor_reads_a_q8_0_models_blocks(dtype, linear, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_the_executor_reads_a_q8_0_models_blocks(arch, dtype, linear, tmp_path):
     """Both fp16 layouts: each qkv and gate/up linear's narrow calls read the file's blocks
     (a bf16 model then makes no fp16 copy); other linears keep the layout; a block that
     differs from the loaded weight is left out and named."""
@@ -139,7 +140,7 @@ def test_the_executor_reads_a_q8_0_models_blocks(dtype, linear, tmp_path):
 
     if not vectorized():
         pytest.skip("the kernel has no AVX2 build here: the layout keeps its fp16 copies")
-    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q8_0", save_hf=False)["gguf_path"]
+    path = write_tiny_gguf(tmp_path / "m.gguf", arch, "Q8_0", save_hf=False)["gguf_path"]
     config, model, executor = _executor(path, dtype, linear)
     assert executor.linear == linear and executor.linear_blocks == 2 * config.num_layers
     assert executor.linear_blocks_error is None
@@ -153,9 +154,10 @@ def test_the_executor_reads_a_q8_0_models_blocks(dtype, linear, tmp_path):
     assert type(layer.self_attn.o_proj) is {"fp16": Fp16Linear}.get(linear, NarrowFp16Linear)
     qkv = layer.self_attn.qkv_proj
     x = torch.randn(1, config.hidden).to(dtype)
-    want = F.linear(
-        x.float(), linear_blocks(path, config)["layers.0.self_attn.qkv_proj"].dequantized()
-    )
+    weight = linear_blocks(path, config)["layers.0.self_attn.qkv_proj"].dequantized()
+    bias = None if qkv.bias is None else qkv.bias.float()
+    assert (bias is not None) == (arch == "qwen2")
+    want = F.linear(x.float(), weight, bias)
     assert (qkv(x).float() - want).abs().max() <= 1e-2 * want.abs().max()
 
     # a loaded weight unlike its blocks: that linear keeps the layout, and is named
