@@ -1,8 +1,8 @@
 """Where a decode step's time goes: torch's profiler over a few steps of the model executor,
 each op's own (self) CPU time put in one bucket.
 
-Buckets, first match up an op's call chain: the LM head (everything under it), decoder
-linears, attention (SDPA and its parts), KV gather/scatter (index ops that read or write
+Buckets, first match up an op's call chain: the LM head (everything under it, its own range
+included), decoder linears (a compiled step's `kvactor::packed_linear` too), attention (SDPA and its parts), KV gather/scatter (index ops that read or write
 the paged cache), and the rest (norms, rotary, activations, embedding, copies). What the
 profiled wall time holds beyond the ops' own time is Python and dispatch between ops. The
 profiler adds its own cost per op, so read shares, not absolute times, and take the step's
@@ -33,6 +33,7 @@ _LINEAR_OPS = (
     "mkldnn::_linear_pointwise",
     "aten::_weight_int8pack_mm",
     "aten::_weight_int4pack_mm_for_cpu",
+    "kvactor::packed_linear",  # a compiled step's packed linears (kernels.graph_ops)
 )
 _KV_OPS = ("aten::index_select", "aten::index_copy_", "aten::index_put_", "aten::index")
 
@@ -77,8 +78,8 @@ def profile_steps(step: Callable[[], object], lm_head_owner, steps: int) -> dict
         lm_head_owner.lm_head = head
     totals = dict.fromkeys(BUCKETS, 0.0)
     for event in prof.events():
-        if event.name == LM_HEAD:
-            continue  # a range, not an op: its children carry its time
+        # the head's range counts its own time too: work that is no torch op (the Q8_0
+        # kernel, called through ctypes) is the range's self time, as an op's is its own
         totals[_bucket(event)] += event.self_cpu_time_total
     totals[OUTSIDE] = max(0.0, wall_us - sum(totals.values()))
     return {k: v / steps / 1e3 for k, v in totals.items()}

@@ -58,3 +58,41 @@ def test_an_embedding_lookup_is_not_a_kv_gather():
     with torch.inference_mode():
         ms = profile_steps(m.step, m, steps=3)
     assert ms[KV] == 0
+
+
+def test_work_outside_torch_ops_lands_in_the_head_and_the_packed_linears():
+    """The Q8_0 kernel runs through ctypes, no torch op: inside the head its time is the
+    head's range's own; inside a compiled step's `kvactor::packed_linear`, the op's own."""
+    import numpy as np
+
+    from kernels import graph_ops
+
+    weights = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)
+
+    def numpy_product(rows: torch.Tensor) -> torch.Tensor:  # opaque to the profiler
+        return torch.from_numpy(rows.numpy() @ weights.T)
+
+    class _Packed:
+        out_features = 2048
+
+        def product(self, rows: torch.Tensor) -> torch.Tensor:
+            return numpy_product(rows)
+
+    class _Opaque:
+        def __init__(self) -> None:
+            self.packed = _Packed()
+            self.handle = graph_ops.register(self.packed)
+            self.x = torch.randn(64, 2048)
+
+        def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+            return numpy_product(h)
+
+        def step(self):
+            h = graph_ops.packed_linear(self.x, self.handle, 2048)
+            return self.lm_head(h)
+
+    m = _Opaque()
+    with torch.inference_mode():
+        ms = profile_steps(m.step, m, steps=3)
+    total = sum(ms.values())
+    assert ms[LM_HEAD] > 0.3 * total and ms[LINEARS] > 0.3 * total
