@@ -2,10 +2,11 @@
 each op's own (self) CPU time put in one bucket.
 
 Buckets, first match up an op's call chain: the LM head (everything under it, its own range
-included), decoder linears (a compiled step's `kvactor::packed_linear` too), attention (SDPA and its parts), KV gather/scatter (index ops that read or write
-the paged cache), and the rest (norms, rotary, activations, embedding, copies). What the
-profiled wall time holds beyond the ops' own time is Python and dispatch between ops. The
-profiler adds its own cost per op, so read shares, not absolute times, and take the step's
+included), decoder linears (a compiled step's `kvactor::packed_linear` too), attention (SDPA
+and its parts), KV gather/scatter (index ops that read or write the paged cache), and the
+rest (norms, rotary, activations, embedding, copies). What the profiled wall time holds
+beyond the ops' own time is Python and dispatch between ops. The profiler adds its own cost
+per op, so read shares, not absolute times, and take the step's
 wall time from an unprofiled run.
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import anyio
 import httpx
@@ -352,6 +353,7 @@ SERIES = [
     "vllm:num_requests_waiting",
     "kvactor:num_requests_prefilling",
     "kvactor:scheduler_steps_total",
+    "kvactor:runner_busy_seconds_total",
     "kvactor:scheduler_retractions_total",
     "kvactor:scheduler_prompt_tokens_total",
     "kvactor:scheduler_generated_tokens_total",
@@ -446,6 +448,7 @@ def test_request_prefill_decode_and_inference_times(client, server):
 def test_iteration_tokens_histogram_counts_every_step(client, server):
     """vllm:iteration_tokens_total: one observation per engine step, of the prompt tokens
     it prefilled plus one per decoding request."""
+    started = time.monotonic()
     before = scrape_metrics(server)
     out = client.completions.create(
         model=MODEL_NAME,
@@ -459,6 +462,9 @@ def test_iteration_tokens_histogram_counts_every_step(client, server):
     steps = _delta(before, after, "kvactor:scheduler_steps_total")
     prefilled = _delta(before, after, "kvactor:scheduler_prompt_tokens_total")
     assert steps >= 3 and prefilled > 1
+    # the runner computed those steps, within the time between the scrapes
+    busy = _delta(before, after, "kvactor:runner_busy_seconds_total")
+    assert 0 < busy < time.monotonic() - started
     assert _delta(before, after, "vllm:iteration_tokens_total_count") == steps
     # the first token comes with the prompt's last chunk; the other two take a step each
     assert _delta(before, after, "vllm:iteration_tokens_total_sum") == prefilled + 2

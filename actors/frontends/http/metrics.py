@@ -182,6 +182,13 @@ class EngineCollector(Collector):
             )
             yield _counter(f"{OWN}scheduler_steps", "Engine steps", m, s.steps)
             yield _counter(
+                f"{OWN}runner_busy_seconds",
+                "Seconds the runner spent in its steps (forward and sampling): against the "
+                "wall clock, the share of time the model computes",
+                m,
+                s.runner_busy_s,
+            )
+            yield _counter(
                 f"{VLLM}num_preemptions",
                 "Cumulative number of preemption from the engine.",
                 m,
