@@ -22,6 +22,12 @@ two compiles serve every batch and context. Invariants the callers rely on:
   (`extra_gather_bytes`: rows sharing a long context each gather all of it) runs eagerly.
 - Serving never compiles: after `compile()` the stance is "fail on recompile", and a step
   whose shapes would need one runs eagerly instead (logged once).
+- Dynamo's guards (some 1,500 checks a graph on the model's modules and the inputs) are not
+  evaluated for a step whose inputs `CompiledStep.known` accepts: each tensor of the dtype,
+  device, rank and layout the graphs were compiled for, lanes >= 2, and the executor's
+  model and KV pool the same objects; Dynamo then only tells the two graphs apart
+  (`skip_guard_eval_unsafe`, as vLLM's compiled models skip guards once warmed up). Any
+  other step is checked in full, and runs eagerly where a guard fails.
 
 Compiled code is cached on disk (Inductor's FX graph cache) under `cache_root()`: one folder
 per torch version and CPU (capability and flags), so a restart traces the graph again but
@@ -229,7 +235,9 @@ class CompiledStep:
         self.threads = torch.get_num_threads()
         self.steps = 0  # steps run through the graph
         self.fallbacks = 0  # steps that would have recompiled and ran eagerly instead
+        self.guarded = 0  # steps whose inputs `known` refused: Dynamo's guards checked them
         self._compiled = None
+        self._traced_for: tuple | None = None  # what `known` compares a step's inputs with
 
     # -- the body, traced --------------------------------------------------------------
     def body(self, input_ids, positions, out_slots, full_slots, full_mask, sl_slots, sl_mask):
@@ -266,6 +274,7 @@ class CompiledStep:
                             torch._dynamo.mark_dynamic(tensor, dim)
                     compiled(*args)
                 self._compiled = compiled
+                self._traced_for = (ex_state(self.executor), _layouts(args))
         except Exception as exc:  # noqa: BLE001 - any compiler failure leaves eager mode
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             return
@@ -339,12 +348,26 @@ class CompiledStep:
             sliding_mask=torch.from_numpy(sliding_valid).to(device)[:, None, None, :],
         )
 
+    def known(self, args: tuple[Tensor, ...]) -> bool:
+        """Whether a step's inputs are of the kinds the graphs were compiled and guarded
+        for (see the module doc), so Dynamo's guards may be skipped."""
+        if self._traced_for is None or ex_state(self.executor) != self._traced_for[0]:
+            return False
+        lanes_ok = args[3].shape[1] >= 2 and args[5].shape[1] >= 2 and args[0].shape[0] >= 1
+        return lanes_ok and _layouts(args) == self._traced_for[1]
+
     def run(self, inputs: StepInputs) -> Tensor | None:
         """Hidden states [T, hidden], or None where the graph
         would have to recompile (the caller then runs the step eagerly)."""
+        args = inputs.as_args()
+        skip = self.known(args)
+        self.guarded += not skip
         try:
-            with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
-                hidden = self._compiled(*inputs.as_args())
+            with (
+                torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=skip),
+                torch.inference_mode(),
+            ):
+                hidden = self._compiled(*args)
         except RuntimeError as exc:
             if "recompil" not in str(exc).lower():
                 raise
@@ -352,3 +375,16 @@ class CompiledStep:
             return None
         self.steps += 1
         return hidden
+
+
+def ex_state(executor) -> tuple[int, ...]:
+    """The identity of what a compiled step reads besides its inputs: the model and the KV
+    pool's tensors (a new pool or model would fail Dynamo's identity guards)."""
+    kv = executor.kv_cache
+    return (id(executor.model), id(kv), *map(id, kv.tensors()))
+
+
+def _layouts(args: tuple[Tensor, ...]) -> tuple:
+    """Each input's dtype, device, rank and whether it is contiguous: with the lanes and
+    rows the only ways `StepInputs` vary."""
+    return tuple((a.dtype, a.device, a.dim(), a.is_contiguous()) for a in args)

@@ -120,6 +120,10 @@ class KVCache:
         ps = self.page_size
         return self.swa_map[slots // ps] * ps + slots % ps
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor the pool holds (K, V, the sliding map): what a compiled step reads."""
+        return (*self._k, *self._v, self.swa_map)
+
     def layer_kv(self, layer: int) -> tuple[Tensor, Tensor]:
         which, k = self._where[layer]
         return self._k[which][k], self._v[which][k]

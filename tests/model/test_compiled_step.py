@@ -162,6 +162,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
 def test_decode_rows_match_eager(executor):
     lens = [3, 9, 20, 40]  # shorter and longer than the sliding window of 8
     _prefill(executor, lens)
+    guarded = executor.compiled.guarded
     for n in (1, 2, 4):
         rows = list(range(n))
 
@@ -173,6 +174,7 @@ def test_decode_rows_match_eager(executor):
         assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
         for a, b in zip(kv_compiled, kv_eager):
             _close(a, b, 1e-5)
+    assert executor.compiled.guarded == guarded  # every step skipped Dynamo's guards
 
 
 def test_draft_verification_and_prefill_chunks_match_eager(executor):
@@ -224,10 +226,27 @@ def test_wide_steps_stay_eager_and_a_would_be_recompile_runs_eagerly(executor):
         meta = executor._build(ForwardBatch.decode([0], [10], [5]))
         inputs = compiled.inputs(meta, meta.extra[0])
         bad = type(inputs)(**{**vars(inputs), "full_slots": inputs.full_slots.int()})
-    fallbacks = compiled.fallbacks
-    assert compiled.run(bad) is None
-    assert compiled.fallbacks == fallbacks + 1
+    fallbacks, guarded = compiled.fallbacks, compiled.guarded
+    assert compiled.known(inputs.as_args()) and not compiled.known(bad.as_args())
+    assert compiled.run(bad) is None  # its guards were checked, and failed
+    assert (compiled.fallbacks, compiled.guarded) == (fallbacks + 1, guarded + 1)
     assert compiled.run(inputs) is not None  # the graph itself still serves
+    # a step over one lane, or over a KV pool other than the graphs were compiled for
+    one_lane = type(inputs)(
+        **{
+            **vars(inputs),
+            "full_slots": inputs.full_slots[:, :1].contiguous(),
+            "full_mask": inputs.full_mask[..., :1].contiguous(),
+        }
+    )
+    assert not compiled.known(one_lane.as_args())
+    pool = executor.kv_cache._k
+    try:
+        executor.kv_cache._k = [t.clone() for t in pool]
+        assert not compiled.known(inputs.as_args())
+    finally:
+        executor.kv_cache._k = pool
+    assert compiled.known(inputs.as_args())
 
 
 def test_compile_failure_leaves_eager_serving(executor):
