@@ -34,10 +34,10 @@ Weight layouts for the CPU (`model.linear`), chosen once when a model is built:
   (`kernels.lm_head.narrow_fp16_plan`); linears that read a GGUF's blocks (below) and a
   head that does hold no fp16 copy.
 
-Where a GGUF stores a stacked projection's parts in blocks that widen to Q8_0 (Q8_0, Q5_0,
-Q4_0: the embedded Gemma 3 270M's q/k/v and gate/up), the ``fp16`` and ``onednn+fp16``
-layouts give the calls of at most `NARROW_ROWS` rows to those blocks instead
-(`Q8_0NarrowLinear`, `kernels.gguf_blocks`, `kernels.q8_0`): the file's own values at 1.125
+Where a GGUF stores a projection's parts in blocks `kernels.gguf_blocks` reads as int8
+blocks (Q8_0, Q5_0, Q4_0, Q4_K, Q6_K: every linear of the embedded Gemma 3 270M), the
+``fp16`` and ``onednn+fp16`` layouts give the calls of at most `NARROW_ROWS` rows to those
+blocks instead (`Q8_0NarrowLinear`, `kernels.q8_0`): the file's own values at 1.125 to 1.25
 bytes a weight, activations rounded to 16 bits, where the fp16 copy reads 2 bytes of
 rounded weights. Wider calls keep the layout's own weight (fbgemm's fp16 for an fp32
 model, oneDNN's bf16 for a bf16 one, which then makes no fp16 copy of those linears). A

@@ -40,8 +40,10 @@ from kernels.config import ModelConfig
 from kernels.quant_layout import AS_STORED, INT4_BLOCK_TYPES, INT4_GROUP, INT4_ROWS
 
 GIB = 1 << 30
-Q8_0_BYTES = 1 + 4 / 32  # a weight held as packed Q8_0 blocks (int8, an fp32 scale per 32)
-Q8_0_WIDENED = ("Q8_0", "Q5_0", "Q4_0")  # GGUF types `kernels.gguf_blocks` reads so
+# a weight held as packed int8 blocks (kernels.gguf_blocks), at most: int8, two fp32 scales
+# and a minimum per 32 (a stacked projection mixing Q6_K's and Q4_K's kinds); Q8_0's 1.125
+Q8_0_BYTES = 1 + 8 / 32 + 4 / 32
+Q8_0_WIDENED = ("Q8_0", "Q5_0", "Q4_0", "Q4_K", "Q6_K")  # GGUF types read as such blocks
 LOW_HEADROOM_SHARE = 0.05  # a plan leaving less than this share of memory free is warned of
 _DTYPE_BYTES = {
     "float32": 4,
@@ -177,8 +179,8 @@ def weight_bytes(
 
 
 def widened_share(config: ModelConfig) -> float:
-    """Share of a GGUF's decoder linears stored in blocks that widen to Q8_0 (Q8_0, Q5_0,
-    Q4_0: `kernels.gguf_blocks`), an upper bound of the share that gets such blocks."""
+    """Share of a GGUF's decoder linears stored in types `kernels.gguf_blocks` reads as int8
+    blocks (`Q8_0_WIDENED`), an upper bound of the share that gets such blocks."""
     types = config.extra.get("linear_types") or {}
     total = sum(types.values())
     return sum(n for t, n in types.items() if t in Q8_0_WIDENED) / total if total else 0.0

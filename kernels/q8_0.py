@@ -3,8 +3,9 @@
 Q8_0 holds a weight as blocks of 32 int8 values and one scale (fp16 in the file, fp32 here):
 1.125 bytes a weight, against 2 for an fp16 copy. A decode step reads every weight once, so
 the fewer bytes are the point. `kernels.gguf_blocks` finds a model's blocks: the embedded
-Gemma 3 270M's tied head (Q8_0, read where the file keeps it) and its q/k/v and gate/up
-linears (Q5_0 and Q8_0, widened to int8); `Q8_0Weight` holds them and packs them once.
+Gemma 3 270M's tied head (Q8_0, read where the file keeps it) and its linears (Q5_0 and
+Q8_0 widened to int8; Q4_K and Q6_K as int8 with a minimum per 32 or a scale per 16, the
+two kinds beyond Q8_0's the kernel takes); `Q8_0Weight` holds them and packs them once.
 
 The product is a small C kernel (`csrc/q8_0_gemv.c`: AVX-512 with or without VNNI, AVX2 or
 plain C, whichever the machine has), compiled at first use with `-march=native` and cached
@@ -50,10 +51,14 @@ _status = "not built yet"
 @dataclass(frozen=True)
 class Q8_0Weight:
     """A [V, H] weight as Q8_0 blocks: `q` int8 [V, H / 32, 32] (any strides with the last
-    one 1: a view of a GGUF's own records works), `scales` fp32 [V, H / 32]."""
+    one 1: a view of a GGUF's own records works), `scales` fp32 [V, H / 32]. Two blocks'
+    kinds beyond Q8_0's hold K-quants exactly: `scales` [V, H / 32, 2], a scale per 16 values
+    (Q6_K's sub-blocks), and `mins` fp32 [V, H / 32], subtracted from each weight of the
+    block (Q4_K's): w = scale * q - min."""
 
     q: Tensor
     scales: Tensor
+    mins: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.q.dtype != torch.int8 or self.q.dim() != 3 or self.q.shape[2] != BLOCK:
@@ -61,8 +66,18 @@ class Q8_0Weight:
         if self.q.stride(2) != 1:
             raise ValueError("a Q8_0 block's values must be adjacent")
         v, ng, _ = self.q.shape
-        if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != (v, ng):
-            raise ValueError(f"Q8_0 scales are fp32 [{v}, {ng}]")
+        shape = tuple(self.scales.shape)
+        if self.scales.dtype != torch.float32 or shape not in ((v, ng), (v, ng, 2)):
+            raise ValueError(f"Q8_0 scales are fp32 [{v}, {ng}] or [{v}, {ng}, 2]")
+        if self.mins is not None and (
+            self.mins.dtype != torch.float32 or tuple(self.mins.shape) != (v, ng)
+        ):
+            raise ValueError(f"block minimums are fp32 [{v}, {ng}]")
+
+    @property
+    def subblocks(self) -> int:
+        """Scales a block: 1, or 2 (one per 16 values)."""
+        return 1 if self.scales.dim() == 2 else 2
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,7 +86,12 @@ class Q8_0Weight:
 
     def dequantized(self) -> Tensor:
         """The fp32 [V, H] weight these blocks hold (as the GGUF reader dequantizes it)."""
-        return (self.q.float() * self.scales[..., None]).reshape(self.shape)
+        v, ng, _ = self.q.shape
+        n = self.subblocks
+        scaled = self.q.float().view(v, ng, n, BLOCK // n) * self.scales.view(v, ng, n, 1)
+        if self.mins is not None:
+            scaled = scaled - self.mins.view(v, ng, 1, 1)
+        return scaled.reshape(self.shape)
 
     @classmethod
     def quantize(cls, weight: Tensor) -> Q8_0Weight:
@@ -92,21 +112,27 @@ class Q8_0Weight:
         v, h = self.shape
         rows = v if rows is None else min(rows, v)
         padded = -(-rows // TILE) * TILE
+        n = self.subblocks
         pq = torch.empty(padded * h, dtype=torch.int8)
-        ps = torch.empty(padded * (h // BLOCK), dtype=torch.float32)
+        ps = torch.empty(padded * (h // BLOCK) * n, dtype=torch.float32)
+        pm = None if self.mins is None else torch.empty(padded * (h // BLOCK))
         scales = self.scales.contiguous()
+        mins = None if self.mins is None else self.mins.contiguous()
         lib.q8_0_pack(
             self.q.data_ptr(),
             self.q.stride(0),
             self.q.stride(1),
             scales.data_ptr(),
+            n,
+            None if mins is None else mins.data_ptr(),
             rows,
             padded,
             h,
             pq.data_ptr(),
             ps.data_ptr(),
+            None if pm is None else pm.data_ptr(),
         )
-        return Q8_0Packed(pq, ps, rows, h, lib)
+        return Q8_0Packed(pq, ps, rows, h, lib, n, pm)
 
 
 @dataclass(frozen=True)
@@ -118,10 +144,12 @@ class Q8_0Packed:
     rows: int
     hidden: int
     lib: ctypes.CDLL  # the build that packed them (the layout is its own)
+    subblocks: int = 1  # scales a block
+    mins: Tensor | None = None  # fp32, one a block, or None
 
     @property
-    def tensors(self) -> tuple[Tensor, Tensor]:
-        return self.q, self.scales
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.q, self.scales) if self.mins is None else (self.q, self.scales, self.mins)
 
     def product(self, rows: Tensor) -> Tensor:
         """fp32 [n, rows] = `rows` [n, hidden] times the weight's transpose, on torch's
@@ -138,6 +166,8 @@ class Q8_0Packed:
             h,
             self.q.data_ptr(),
             self.scales.data_ptr(),
+            self.subblocks,
+            None if self.mins is None else self.mins.data_ptr(),
             padded,
             out.data_ptr(),
             torch.get_num_threads(),
@@ -235,6 +265,8 @@ def load_library(path: Path) -> ctypes.CDLL:
         ctypes.c_int64,  # H
         ctypes.c_void_p,  # packed q
         ctypes.c_void_p,  # packed scales
+        ctypes.c_int,  # scales a block
+        ctypes.c_void_p,  # packed minimums, or NULL
         ctypes.c_int64,  # V (padded)
         ctypes.c_void_p,  # out
         ctypes.c_int,  # threads
@@ -245,11 +277,14 @@ def load_library(path: Path) -> ctypes.CDLL:
         ctypes.c_int64,  # row stride
         ctypes.c_int64,  # block stride
         ctypes.c_void_p,  # scales
+        ctypes.c_int,  # scales a block
+        ctypes.c_void_p,  # minimums, or NULL
         ctypes.c_int64,  # rows
         ctypes.c_int64,  # padded rows
         ctypes.c_int64,  # H
         ctypes.c_void_p,  # packed q
         ctypes.c_void_p,  # packed scales
+        ctypes.c_void_p,  # packed minimums, or NULL
     ]
     lib.q8_0_isa.restype = ctypes.c_int
     lib.q8_0_isa.argtypes = []

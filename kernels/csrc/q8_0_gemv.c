@@ -1,14 +1,18 @@
-/* Logits from a GGUF's Q8_0 blocks: out[b, v] = sum_g s[v, g] * sum_k q[v, 32g + k] * x[b, 32g + k].
+/* Products with weights held as int8 blocks of 32: out[b, v] = sum_g sum_k w[v, 32g + k] * x[b, 32g + k]
+ * with w[v, 32g + k] = s[v, g, k / (32 / nsub)] * q[v, 32g + k] - m[v, g] (m = 0 without mins).
  *
- * Weights stay the file's values (int8, one fp32 scale per 32), repacked once by
+ * Q8_0 (one scale a block: nsub = 1, no mins) is a GGUF's Q8_0, Q5_0 and Q4_0 blocks; a scale
+ * per 16 (nsub = 2) holds Q6_K's sub-blocks and a minimum per block Q4_K's, each exactly.
+ * Weights stay the file's values (int8, fp32 scales and minimums), repacked once by
  * `q8_0_pack` into tiles of 16 rows so that one vector lane holds one row: per tile and
  * block g, 16 pairs p of columns (2p, 2p + 1), each 16 rows x 2 int8 (32 bytes), then the
- * tile's 16 scales of block g. A step's activations are quantized per 32-block to int16
- * (scale = the block's largest |x| / 32767: each value off by at most 2^-16 of that
- * largest, far finer than bf16's own rounding). A block's products are integer multiply-
- * adds of int16 pairs summed in int32 (|sum| <= 32 * 127 * 32767 < 2^31), then scaled
- * and summed in fp32: per 512 weights one int->float conversion and one FMA for all 16
- * rows, where a row-major layout needs one per row.
+ * tile's scales (nsub x 16) and minimums (16) of block g. A step's activations are quantized
+ * per 32-block to int16 (scale = the block's largest |x| / 32767: each value off by at most
+ * 2^-16 of that largest, far finer than bf16's own rounding). A block's products are
+ * integer multiply-adds of int16 pairs summed in int32 (|sum| <= 32 * 127 * 32767 < 2^31),
+ * then scaled and summed in fp32: per 512 weights one int->float conversion and one FMA for
+ * all 16 rows per sub-block (a minimum adds one FMA with the block's activation sum), where
+ * a row-major layout needs one per row.
  *
  * Built at first use with the machine's own instruction set (-march=native): AVX-512BW
  * (with VNNI's fused multiply-add where the CPU has it), else AVX2, else plain C. Tiles are
@@ -42,12 +46,14 @@ int q8_0_isa(void) {
 }
 
 /* Rows [0, rows) of a weight into the tiled layout, padded with zero rows to `padded` (a
- * multiple of 16): pq [padded * H] int8, ps [padded * H / 32] fp32. Block g of row r holds
- * q[r * row_stride + g * block_stride + k] (k < 32), so the values are read where they lie:
- * row-major (H, 32) or in a GGUF's own 34-byte Q8_0 records (34 * H / 32, 34); its scale is
- * s[r * H / 32 + g]. */
+ * multiple of 16): pq [padded * H] int8, ps [padded * H / 32 * nsub] fp32 and, with `m`, pm
+ * [padded * H / 32] fp32. Block g of row r holds q[r * row_stride + g * block_stride + k]
+ * (k < 32), so the values are read where they lie: row-major (H, 32) or in a GGUF's own
+ * 34-byte Q8_0 records (34 * H / 32, 34); its scales are s[(r * H / 32 + g) * nsub + i] and
+ * its minimum m[r * H / 32 + g]. */
 void q8_0_pack(const int8_t* q, int64_t row_stride, int64_t block_stride, const float* s,
-               int64_t rows, int64_t padded, int64_t H, int8_t* pq, float* ps) {
+               int nsub, const float* m, int64_t rows, int64_t padded, int64_t H, int8_t* pq,
+               float* ps, float* pm) {
   const int64_t ng = H / BLOCK;
   for (int64_t t = 0; t < padded / TILE; ++t) {
     for (int64_t g = 0; g < ng; ++g) {
@@ -59,13 +65,17 @@ void q8_0_pack(const int8_t* q, int64_t row_stride, int64_t block_stride, const 
           dst[p * 2 * TILE + 2 * j] = src ? src[2 * p] : 0;
           dst[p * 2 * TILE + 2 * j + 1] = src ? src[2 * p + 1] : 0;
         }
-        ps[(t * ng + g) * TILE + j] = r < rows ? s[r * ng + g] : 0.0f;
+        for (int i = 0; i < nsub; ++i)
+          ps[((t * ng + g) * nsub + i) * TILE + j] = r < rows ? s[(r * ng + g) * nsub + i] : 0.0f;
+        if (m) pm[(t * ng + g) * TILE + j] = r < rows ? m[r * ng + g] : 0.0f;
       }
     }
   }
 }
 
-static void quantize_rows(const float* x, int64_t B, int64_t H, int16_t* x16, float* xs) {
+/* x16 and xs as the header says; xsum[b, g] = xs * sum_k x16[b, 32g + k] (for minimums). */
+static void quantize_rows(const float* x, int64_t B, int64_t H, int16_t* x16, float* xs,
+                          float* xsum) {
   const int64_t ng = H / BLOCK;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < ng; ++g) {
@@ -78,8 +88,13 @@ static void quantize_rows(const float* x, int64_t B, int64_t H, int16_t* x16, fl
         m = fmaxf(m, fabsf(src[k]));
       }
       const float inv = finite && m > 0.0f ? 32767.0f / m : 0.0f;
-      for (int k = 0; k < BLOCK; ++k) dst[k] = (int16_t)lrintf(src[k] * inv);
+      int32_t total = 0;
+      for (int k = 0; k < BLOCK; ++k) {
+        dst[k] = (int16_t)lrintf(src[k] * inv);
+        total += dst[k];
+      }
       xs[b * ng + g] = finite ? m / 32767.0f : NAN; /* a NaN or inf in: NaN logits out */
+      xsum[b * ng + g] = xs[b * ng + g] * (float)total;
     }
   }
 }
@@ -91,61 +106,83 @@ static inline int32_t column_pair(const int16_t* block, int p) {
   return pair;
 }
 
+/* One tile, activation rows [0, nb) of x16 (row stride H): out[b * V + 16 rows]. `sc`: the
+ * tile's scales (nsub x 16 a block), `mn`: its minimums (16 a block) or NULL. Inlined with
+ * constant `nsub` and `mn` presence, so each kind of block gets loops of its own. */
 #if defined(__AVX512BW__)
 #define ROWS_PER_PASS 4
-/* One tile, activation rows [0, nb) of x16 (row stride H): out[b * V + 16 rows]. */
-static void tile_product(const int8_t* w, const float* sc, const int16_t* x16, const float* xs,
-                         int64_t H, int64_t V, int nb, float* out) {
+static inline __attribute__((always_inline)) void tile_kernel(
+    const int8_t* w, const float* sc, const int nsub, const float* mn, const int16_t* x16,
+    const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
   const int64_t ng = H / BLOCK;
+  const int per = PAIRS / nsub;
   __m512 acc[ROWS_PER_PASS];
   for (int b = 0; b < nb; ++b) acc[b] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES, sc += TILE) {
-    __m512i dot[ROWS_PER_PASS];
-    for (int b = 0; b < nb; ++b) dot[b] = _mm512_setzero_si512();
-    for (int p = 0; p < PAIRS; ++p) {
-      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + p * 2 * TILE)));
-      for (int b = 0; b < nb; ++b) {
-        const __m512i xv = _mm512_set1_epi32(column_pair(x16 + b * H + g * BLOCK, p));
+  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES, sc += nsub * TILE) {
+    for (int i = 0; i < nsub; ++i) {
+      __m512i dot[ROWS_PER_PASS];
+      for (int b = 0; b < nb; ++b) dot[b] = _mm512_setzero_si512();
+      for (int p = i * per; p < (i + 1) * per; ++p) {
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + p * 2 * TILE)));
+        for (int b = 0; b < nb; ++b) {
+          const __m512i xv = _mm512_set1_epi32(column_pair(x16 + b * H + g * BLOCK, p));
 #if defined(__AVX512VNNI__)
-        dot[b] = _mm512_dpwssd_epi32(dot[b], wv, xv);
+          dot[b] = _mm512_dpwssd_epi32(dot[b], wv, xv);
 #else
-        dot[b] = _mm512_add_epi32(dot[b], _mm512_madd_epi16(wv, xv));
+          dot[b] = _mm512_add_epi32(dot[b], _mm512_madd_epi16(wv, xv));
 #endif
+        }
+      }
+      const __m512 sv = _mm512_loadu_ps(sc + i * TILE);
+      for (int b = 0; b < nb; ++b) {
+        const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(xs[b * ng + g]));
+        acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), scale, acc[b]);
       }
     }
-    const __m512 sv = _mm512_loadu_ps(sc);
-    for (int b = 0; b < nb; ++b) {
-      const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(xs[b * ng + g]));
-      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), scale, acc[b]);
+    if (mn) {
+      const __m512 mv = _mm512_loadu_ps(mn + g * TILE);
+      for (int b = 0; b < nb; ++b)
+        acc[b] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(xsum[b * ng + g]), acc[b]);
     }
   }
   for (int b = 0; b < nb; ++b) _mm512_storeu_ps(out + b * V, acc[b]);
 }
 #elif defined(__AVX2__)
 #define ROWS_PER_PASS 2
-static void tile_product(const int8_t* w, const float* sc, const int16_t* x16, const float* xs,
-                         int64_t H, int64_t V, int nb, float* out) {
+static inline __attribute__((always_inline)) void tile_kernel(
+    const int8_t* w, const float* sc, const int nsub, const float* mn, const int16_t* x16,
+    const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
   const int64_t ng = H / BLOCK;
+  const int per = PAIRS / nsub;
   __m256 acc[ROWS_PER_PASS][2];
   for (int b = 0; b < nb; ++b) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES, sc += TILE) {
-    __m256i dot[ROWS_PER_PASS][2];
-    for (int b = 0; b < nb; ++b) dot[b][0] = dot[b][1] = _mm256_setzero_si256();
-    for (int p = 0; p < PAIRS; ++p) {
-      const int8_t* wp = w + p * 2 * TILE;
-      const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)wp));  /* rows 0-7 */
-      const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wp + 16)));
+  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES, sc += nsub * TILE) {
+    for (int i = 0; i < nsub; ++i) {
+      __m256i dot[ROWS_PER_PASS][2];
+      for (int b = 0; b < nb; ++b) dot[b][0] = dot[b][1] = _mm256_setzero_si256();
+      for (int p = i * per; p < (i + 1) * per; ++p) {
+        const int8_t* wp = w + p * 2 * TILE;
+        const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)wp));  /* rows 0-7 */
+        const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wp + 16)));
+        for (int b = 0; b < nb; ++b) {
+          const __m256i xv = _mm256_set1_epi32(column_pair(x16 + b * H + g * BLOCK, p));
+          dot[b][0] = _mm256_add_epi32(dot[b][0], _mm256_madd_epi16(lo, xv));
+          dot[b][1] = _mm256_add_epi32(dot[b][1], _mm256_madd_epi16(hi, xv));
+        }
+      }
       for (int b = 0; b < nb; ++b) {
-        const __m256i xv = _mm256_set1_epi32(column_pair(x16 + b * H + g * BLOCK, p));
-        dot[b][0] = _mm256_add_epi32(dot[b][0], _mm256_madd_epi16(lo, xv));
-        dot[b][1] = _mm256_add_epi32(dot[b][1], _mm256_madd_epi16(hi, xv));
+        const __m256 xsv = _mm256_set1_ps(xs[b * ng + g]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(sc + i * TILE + 8 * h), xsv);
+          acc[b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[b][h]), scale, acc[b][h]);
+        }
       }
     }
-    for (int b = 0; b < nb; ++b) {
-      const __m256 xsv = _mm256_set1_ps(xs[b * ng + g]);
-      for (int h = 0; h < 2; ++h) {
-        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(sc + 8 * h), xsv);
-        acc[b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[b][h]), scale, acc[b][h]);
+    if (mn) {
+      for (int b = 0; b < nb; ++b) {
+        const __m256 total = _mm256_set1_ps(xsum[b * ng + g]);
+        for (int h = 0; h < 2; ++h)
+          acc[b][h] = _mm256_fnmadd_ps(_mm256_loadu_ps(mn + g * TILE + 8 * h), total, acc[b][h]);
       }
     }
   }
@@ -156,48 +193,84 @@ static void tile_product(const int8_t* w, const float* sc, const int16_t* x16, c
 }
 #else
 #define ROWS_PER_PASS 1
-static void tile_product(const int8_t* w, const float* sc, const int16_t* x16, const float* xs,
-                         int64_t H, int64_t V, int nb, float* out) {
+static inline void tile_kernel(const int8_t* w, const float* sc, const int nsub, const float* mn,
+                               const int16_t* x16, const float* xs, const float* xsum, int64_t H,
+                               int64_t V, int nb, float* out) {
   const int64_t ng = H / BLOCK;
+  const int per = PAIRS / nsub;
   (void)nb; /* one row a pass */
   (void)V;
   float acc[TILE] = {0};
-  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES, sc += TILE) {
-    int32_t dot[TILE] = {0};
-    for (int p = 0; p < PAIRS; ++p) {
-      const int16_t x0 = x16[g * BLOCK + 2 * p], x1 = x16[g * BLOCK + 2 * p + 1];
-      for (int j = 0; j < TILE; ++j)
-        dot[j] += (int32_t)w[p * 2 * TILE + 2 * j] * x0 + (int32_t)w[p * 2 * TILE + 2 * j + 1] * x1;
+  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES, sc += nsub * TILE) {
+    for (int i = 0; i < nsub; ++i) {
+      int32_t dot[TILE] = {0};
+      for (int p = i * per; p < (i + 1) * per; ++p) {
+        const int16_t x0 = x16[g * BLOCK + 2 * p], x1 = x16[g * BLOCK + 2 * p + 1];
+        for (int j = 0; j < TILE; ++j)
+          dot[j] += (int32_t)w[p * 2 * TILE + 2 * j] * x0 + (int32_t)w[p * 2 * TILE + 2 * j + 1] * x1;
+      }
+      for (int j = 0; j < TILE; ++j) acc[j] += (float)dot[j] * (sc[i * TILE + j] * xs[g]);
     }
-    for (int j = 0; j < TILE; ++j) acc[j] += (float)dot[j] * (sc[j] * xs[g]);
+    if (mn)
+      for (int j = 0; j < TILE; ++j) acc[j] -= mn[g * TILE + j] * xsum[g];
   }
   for (int j = 0; j < TILE; ++j) out[j] = acc[j];
 }
 #endif
 
-/* Returns 0, or -1 when the scratch memory cannot be had (nothing written). `threads`: the
- * caller's torch thread count (an OpenMP runtime other than torch's would not know it). */
-int q8_0_gemv(const float* x, int64_t B, int64_t H, const int8_t* pq, const float* ps, int64_t V,
-              float* out, int threads) {
+/* The kinds of blocks, each with its own loops: Q8_0's; a scale per 16 (Q6_K); minimums
+ * (Q4_K); both. */
+static void tile_q8_0(const int8_t* w, const float* sc, const float* mn, const int16_t* x16,
+                      const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
+  (void)mn;
+  tile_kernel(w, sc, 1, NULL, x16, xs, xsum, H, V, nb, out);
+}
+static void tile_sub16(const int8_t* w, const float* sc, const float* mn, const int16_t* x16,
+                       const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
+  (void)mn;
+  tile_kernel(w, sc, 2, NULL, x16, xs, xsum, H, V, nb, out);
+}
+static void tile_mins(const int8_t* w, const float* sc, const float* mn, const int16_t* x16,
+                      const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
+  tile_kernel(w, sc, 1, mn, x16, xs, xsum, H, V, nb, out);
+}
+static void tile_sub16_mins(const int8_t* w, const float* sc, const float* mn, const int16_t* x16,
+                            const float* xs, const float* xsum, int64_t H, int64_t V, int nb,
+                            float* out) {
+  tile_kernel(w, sc, 2, mn, x16, xs, xsum, H, V, nb, out);
+}
+
+/* Returns 0, or -1 when the scratch memory cannot be had (nothing written), -2 for an nsub
+ * other than 1 or 2. `threads`: the caller's torch thread count (an OpenMP runtime other
+ * than torch's would not know it). `pm`: the packed minimums, or NULL. */
+int q8_0_gemv(const float* x, int64_t B, int64_t H, const int8_t* pq, const float* ps, int nsub,
+              const float* pm, int64_t V, float* out, int threads) {
+  if (nsub != 1 && nsub != 2) return -2;
   if (B <= 0 || V <= 0) return 0;
   const int64_t ng = H / BLOCK;
   int16_t* x16 = (int16_t*)malloc((size_t)(B * H) * sizeof(int16_t));
   float* xs = (float*)malloc((size_t)(B * ng) * sizeof(float));
-  if (x16 == NULL || xs == NULL) {
+  float* xsum = (float*)malloc((size_t)(B * ng) * sizeof(float));
+  if (x16 == NULL || xs == NULL || xsum == NULL) {
     free(x16);
     free(xs);
+    free(xsum);
     return -1;
   }
-  quantize_rows(x, B, H, x16, xs);
+  quantize_rows(x, B, H, x16, xs, xsum);
+  void (*tile)(const int8_t*, const float*, const float*, const int16_t*, const float*,
+               const float*, int64_t, int64_t, int, float*) =
+      nsub == 1 ? (pm ? tile_mins : tile_q8_0) : (pm ? tile_sub16_mins : tile_sub16);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < V / TILE; ++t) {
     for (int64_t b = 0; b < B; b += ROWS_PER_PASS) {
       const int nb = (int)(B - b < ROWS_PER_PASS ? B - b : ROWS_PER_PASS);
-      tile_product(pq + t * ng * TILE_BLOCK_BYTES, ps + t * ng * TILE, x16 + b * H, xs + b * ng,
-                   H, V, nb, out + b * V + t * TILE);
+      tile(pq + t * ng * TILE_BLOCK_BYTES, ps + t * ng * nsub * TILE, pm ? pm + t * ng * TILE : NULL,
+           x16 + b * H, xs + b * ng, xsum + b * ng, H, V, nb, out + b * V + t * TILE);
     }
   }
   free(x16);
   free(xs);
+  free(xsum);
   return 0;
 }

@@ -150,13 +150,13 @@ def test_fp16_layout_batch_of_24_matches_alone(model, prompts):
 )
 def test_fp16_layout_with_gguf_blocks_batch_of_24_matches_alone(model, prompts):
     """The fp32 model as the runner builds it (`model.linear = "fp16"` on the embedded GGUF):
-    narrow calls read the head's and the q/k/v and gate/up linears' own blocks (int16
-    activations), wide ones oneDNN's exact head and fbgemm's fp16 linears. A request's
+    narrow calls read the head's and every linear's own blocks (int16 activations), wide
+    ones oneDNN's exact head and fbgemm's fp16 linears. A request's
     greedy output is the same alone and among 24."""
     config, module = model
     fp16 = copy.deepcopy(module)
     first, _ = make_executor(config, fp16, 1, CAPACITY, linear="fp16")
-    assert first.linear_blocks == 2 * config.num_layers and first.lm_head.backend_for(1) == "q8_0"
+    assert first.linear_blocks == 4 * config.num_layers and first.lm_head.backend_for(1) == "q8_0"
     head = first.lm_head
     batch = [prompts[i % len(prompts)][: 40 + 13 * i] for i in range(24)]
     alone = []

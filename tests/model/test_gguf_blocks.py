@@ -40,10 +40,11 @@ def test_widened_records_are_the_values_ggml_dequantizes(qtype):
         widen(records[..., :-1], int(qtype))
 
 
-@pytest.mark.parametrize("weight_type", ["Q8_0", "Q5_0", "Q4_0"])
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q5_0", "Q4_0", "Q4_K", "Q6_K", "Q4_K_M"])
 def test_the_stacked_blocks_are_the_loaded_weights(weight_type, tmp_path):
-    """Llama (its q and k rows permuted in the file) and Qwen 2: every qkv and gate/up
-    projection's blocks equal the stacked weights the loader hands the model."""
+    """Llama (its q and k rows permuted in the file) and Qwen 2: every projection's blocks
+    (qkv, o, gate/up, down; Q4_K_M mixes Q4_K and Q6_K parts in one qkv) equal the weights
+    the loader hands the model, bit for bit."""
     from kernels.linear import stack_projections
     from kernels.models import load_config, load_model_weights
     from tests.model.gguf_fixtures import write_tiny_gguf
@@ -54,17 +55,23 @@ def test_the_stacked_blocks_are_the_loaded_weights(weight_type, tmp_path):
         config = load_config(str(path))
         weights = stack_projections(load_model_weights(str(path), torch.float32, config))
         blocks = linear_blocks(path, config)
-        assert len(blocks) == 2 * config.num_layers
+        assert len(blocks) == 4 * config.num_layers
         for name, found in blocks.items():
             assert torch.equal(found.dequantized(), weights[f"{name}.weight"]), (arch, name)
+        kinds = {(b.subblocks, b.mins is not None) for b in blocks.values()}
+        assert kinds == {
+            "Q4_K": {(1, True)},
+            "Q6_K": {(2, False)},
+            "Q4_K_M": {(1, True), (2, False), (2, True)},  # (2, True): Q4_K q, k + Q6_K v
+        }.get(weight_type, {(1, False)})
 
 
 def test_other_types_give_no_blocks_and_the_places_are_kept(tmp_path):
     from kernels.models import load_config
     from tests.model.gguf_fixtures import write_tiny_gguf
 
-    path = write_tiny_gguf(tmp_path / "k.gguf", "qwen2", "Q4_K", save_hf=False)["gguf_path"]
-    assert linear_blocks(path, load_config(str(path))) == {}
+    path = write_tiny_gguf(tmp_path / "k.gguf", "qwen2", "Q5_K", save_hf=False)["gguf_path"]
+    assert linear_blocks(path, load_config(str(path))) == {}  # Q5_K: not read as blocks
     path = write_tiny_gguf(tmp_path / "m.gguf", "qwen2", "Q8_0", save_hf=False)["gguf_path"]
     config = load_config(str(path))
     assert linear_blocks(path, config)
@@ -76,7 +83,7 @@ def test_other_types_give_no_blocks_and_the_places_are_kept(tmp_path):
     assert linear_blocks(path, config) == {}
     saved["stamp"] = "stale"
     record.write_text(json.dumps(saved))
-    assert len(linear_blocks(path, config)) == 2 * config.num_layers
+    assert len(linear_blocks(path, config)) == 4 * config.num_layers
 
 
 # ---- the layout -----------------------------------------------------------------------------
@@ -132,9 +139,9 @@ def _executor(path, dtype, linear, before=None):
 )
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_the_executor_reads_a_q8_0_models_blocks(arch, dtype, linear, tmp_path):
-    """Both fp16 layouts: each qkv and gate/up linear's narrow calls read the file's blocks
-    (a bf16 model then makes no fp16 copy); other linears keep the layout; a block that
-    differs from the loaded weight is left out and named."""
+    """Both fp16 layouts: every linear's narrow calls read the file's blocks (a bf16 model
+    then makes no fp16 copy of it); one whose blocks differ from the loaded weight is left
+    out, named, and keeps the layout."""
     from kernels.linear import NarrowFp16Linear, OneDnnLinear
     from tests.model.gguf_fixtures import write_tiny_gguf
 
@@ -142,16 +149,14 @@ def test_the_executor_reads_a_q8_0_models_blocks(arch, dtype, linear, tmp_path):
         pytest.skip("the kernel has no AVX2 build here: the layout keeps its fp16 copies")
     path = write_tiny_gguf(tmp_path / "m.gguf", arch, "Q8_0", save_hf=False)["gguf_path"]
     config, model, executor = _executor(path, dtype, linear)
-    assert executor.linear == linear and executor.linear_blocks == 2 * config.num_layers
+    assert executor.linear == linear and executor.linear_blocks == 4 * config.num_layers
     assert executor.linear_blocks_error is None
     layer = model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, Q8_0NarrowLinear)
-    assert isinstance(layer.mlp.gate_up_proj, Q8_0NarrowLinear)
-    assert not isinstance(layer.self_attn.o_proj, Q8_0NarrowLinear)
     # the wide calls' layout alone: a bf16 model holds no fp16 copy of these linears
     wide = {"fp16": Fp16Linear, "onednn+fp16": OneDnnLinear}[linear]
-    assert type(layer.self_attn.qkv_proj.wide) is wide
-    assert type(layer.self_attn.o_proj) is {"fp16": Fp16Linear}.get(linear, NarrowFp16Linear)
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        assert type(layer.get_submodule(name)) is Q8_0NarrowLinear
+        assert type(layer.get_submodule(name).wide) is wide
     qkv = layer.self_attn.qkv_proj
     x = torch.randn(1, config.hidden).to(dtype)
     weight = linear_blocks(path, config)["layers.0.self_attn.qkv_proj"].dequantized()
@@ -166,32 +171,32 @@ def test_the_executor_reads_a_q8_0_models_blocks(arch, dtype, linear, tmp_path):
             model.layers[1].mlp.gate_up_proj.weight[0, 0] += 1
 
     _, model, executor = _executor(path, dtype, linear, before=poison)
-    assert executor.linear_blocks == 2 * config.num_layers - 1
+    assert executor.linear_blocks == 4 * config.num_layers - 1
     assert "layers.1.mlp.gate_up_proj" in executor.linear_blocks_error
-    assert not isinstance(model.layers[1].mlp.gate_up_proj, Q8_0NarrowLinear)
+    kept = model.layers[1].mlp.gate_up_proj
+    assert type(kept) is {"fp16": Fp16Linear}.get(linear, NarrowFp16Linear)
 
 
 @pytest.mark.model
 def test_the_embedded_models_linears_are_its_blocks_and_closer_than_fp16_copies():
-    """Gemma 3 270M (q/k/v/gate/up in Q5_0 and Q8_0): every qkv and gate/up linear reads
-    its blocks, and a decode step's logits on the fp32 model's fp16 layout are closer to
-    the exact path's with them than with the fp16 copies alone."""
+    """Gemma 3 270M (q/k/v/gate/up in Q5_0 and Q8_0, o in Q4_K, down in Q4_K and Q6_K):
+    every linear reads its blocks, and its narrow products on the fp32 model's fp16 layout
+    are closer to the exact weights' with them than with the fp16 copies alone."""
     from kernels.gguf_loader import default_model_path
 
     path = default_model_path()
     config, model, executor = _executor(path, torch.float32, "fp16")
     if not vectorized():
         pytest.skip("the kernel has no AVX2 build here")
-    assert executor.linear_blocks == 2 * config.num_layers
-    hidden = torch.randn(1, 5, config.hidden, generator=torch.Generator().manual_seed(0))
-    layer = model.layers[3]
-    exact_weights = {
-        name: linear_blocks(path, config)[f"layers.3.{name}"].dequantized()
-        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj")
-    }
-    for name, weight in exact_weights.items():
-        module = layer.get_submodule(name)
-        x = hidden[0, :NARROW_ROWS]
+    assert executor.linear_blocks == 4 * config.num_layers
+    generator = torch.Generator().manual_seed(0)
+    blocks = linear_blocks(path, config)
+    for name, weight in blocks.items():
+        if not name.startswith(("layers.0.", "layers.1.")):  # Q6_K and Q4_K downs
+            continue
+        weight = weight.dequantized()
+        module = model.get_submodule(name)
+        x = torch.randn(NARROW_ROWS, module.in_features, generator=generator)
         exact = F.linear(x.double(), weight.double())
         via_blocks = module(x).double()
         via_fp16 = module.wide(x).double()

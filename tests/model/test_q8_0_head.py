@@ -66,22 +66,42 @@ def _int16_activations(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _promised(weight: Q8_0Weight, x: torch.Tensor) -> np.ndarray:
-    """float64 [n, V]: the int16 activations times the int8 weights exactly, each block
-    scaled by its weight and activation scales."""
+    """float64 [n, V]: the int16 activations times the int8 weights exactly, each block (or
+    each half block, with a scale per 16) scaled by its weight and activation scales, less
+    each block's minimum times the block's activation sum."""
     xq, xs = _int16_activations(x)
     v, h = weight.shape
-    q = weight.q.numpy().astype(np.int64).reshape(v, h // BLOCK, BLOCK)
-    dots = np.einsum("vgk,ngk->nvg", q, xq.reshape(-1, h // BLOCK, BLOCK))
-    scales = weight.scales.numpy().astype(np.float64)
-    return np.einsum("nvg,vg,ng->nv", dots.astype(np.float64), scales, xs.astype(np.float64))
+    ng, sub = h // BLOCK, weight.subblocks
+    q = weight.q.numpy().astype(np.int64).reshape(v, ng, sub, BLOCK // sub)
+    xq = xq.reshape(-1, ng, sub, BLOCK // sub)
+    dots = np.einsum("vgsk,ngsk->nvgs", q, xq).astype(np.float64)
+    scales = weight.scales.numpy().astype(np.float64).reshape(v, ng, sub)
+    xs = xs.astype(np.float64)
+    out = np.einsum("nvgs,vgs,ng->nv", dots, scales, xs)
+    if weight.mins is not None:
+        sums = xq.sum(axis=(2, 3)).astype(np.float64) * xs  # [n, ng]
+        out -= np.einsum("vg,ng->nv", weight.mins.numpy().astype(np.float64), sums)
+    return out
+
+
+def _weight(kind: str, vocab: int, hidden: int, generator) -> Q8_0Weight:
+    """Q8_0 blocks, or the K-quants' kinds: a scale per 16 (Q6_K), minimums (Q4_K), both."""
+    weight = Q8_0Weight.quantize(torch.randn(vocab, hidden, generator=generator) * 0.05)
+    scales, mins = weight.scales, None
+    if kind in ("sub16", "both"):
+        scales = torch.rand(vocab, hidden // BLOCK, 2, generator=generator) * 1e-3
+    if kind in ("mins", "both"):
+        mins = torch.rand(vocab, hidden // BLOCK, generator=generator) * 0.05
+    return Q8_0Weight(weight.q, scales, mins)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("vocab, hidden", [(4099, 96), (64, 640)])  # padded tiles, odd blocks
-def test_every_build_computes_the_promised_product(build, vocab, hidden, tmp_path_factory):
+@pytest.mark.parametrize("kind", ["q8_0", "sub16", "mins", "both"])
+def test_every_build_computes_the_promised_product(build, vocab, hidden, kind, tmp_path_factory):
     lib = _build(build, tmp_path_factory)
     generator = torch.Generator().manual_seed(vocab)
-    weight = Q8_0Weight.quantize(torch.randn(vocab, hidden, generator=generator) * 0.05)
+    weight = _weight(kind, vocab, hidden, generator)
     packed = weight.packed(lib)
     for n in (1, 2, 3, 5, 9):
         x = torch.randn(n, hidden, generator=generator)

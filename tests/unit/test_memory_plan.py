@@ -357,17 +357,17 @@ def test_the_plan_figures_are_gauges_not_cache_config_labels():
 
 
 def test_fp16_linears_count_the_q8_0_blocks_a_gguf_gives_them():
-    """An fp32 model's fp16 layout also holds Q8_0 blocks of the linears its GGUF stores in
-    Q8_0 / Q5_0 / Q4_0 (kernels.gguf_blocks): the estimate adds 1.125 bytes a weight over
-    those types' share of the linears (the embedded model's mix: 65% of its linears)."""
+    """An fp32 model's fp16 layout also holds int8 blocks of the linears its GGUF stores in
+    Q8_0 / Q5_0 / Q4_0 / Q4_K / Q6_K (kernels.gguf_blocks): the estimate adds at most 1.375
+    bytes a weight over those types' share of the linears (the embedded model's: all)."""
     import dataclasses
 
-    types = {"Q5_0": 63_406_080, "Q8_0": 1_474_560, "Q4_K": 23_592_960, "Q6_K": 11_796_480}
+    types = {"Q5_0": 63_406_080, "Q8_0": 1_474_560, "Q4_K": 23_592_960, "Q5_K": 11_796_480}
     gguf = dataclasses.replace(GEMMA, extra={**GEMMA.extra, "linear_types": types})
-    share = (63_406_080 + 1_474_560) / sum(types.values())
+    share = (63_406_080 + 1_474_560 + 23_592_960) / sum(types.values())  # not Q5_K
     plain = weight_bytes(GEMMA, 4, linear="fp16").decoder
     with_blocks = weight_bytes(gguf, 4, linear="fp16").decoder
-    assert with_blocks - plain == pytest.approx(1.125 * share * 18 * 5_570_560, rel=1e-6)
+    assert with_blocks - plain == pytest.approx(1.375 * share * 18 * 5_570_560, rel=1e-6)
     # a bf16 model's blocks replace fp16 copies (2 bytes): the estimate stays an upper bound
     assert weight_bytes(gguf, 2, linear="onednn+fp16") == weight_bytes(
         GEMMA, 2, linear="onednn+fp16"
