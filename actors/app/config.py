@@ -48,7 +48,9 @@ class ModelSection(_Section):
     # an fp32 model on the CPU (fbgemm), onednn+fp16 for a bf16 model on a CPU with native
     # bf16, else aten; aten = F.linear; onednn = oneDNN-packed; fp16 = fp16 weights, fp32
     # activations and accumulation (fp32 models on x86 CPUs); onednn+fp16 = oneDNN-packed bf16
-    # plus fp16 copies for steps of at most 4 rows (bf16 models)
+    # plus fp16 copies for steps of at most 4 rows (bf16 models). In both fp16 layouts a
+    # GGUF's own blocks (Q8_0, Q5_0, Q4_0, Q4_K, Q6_K) take those steps in place of the
+    # fp16 copies, through a C kernel (kernels/gguf_blocks.py, kernels/q8_0.py)
     linear: Literal["auto", "aten", "onednn", "fp16", "onednn+fp16"] = "auto"
     threads: int = 0  # torch threads of the runner; 0 = auto (kernels/cpu.py)
     # small steps (decode, draft verification, short extends) as one torch.compile graph
