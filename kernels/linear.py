@@ -186,7 +186,28 @@ class Fp16Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-class NarrowFp16Linear(nn.Module):
+class _NarrowOverWide(nn.Module):
+    """A linear with a copy of its own for narrow calls over `self.wide`, a packed layout
+    that holds the weight (and bias) the module reports and serves the wide calls."""
+
+    wide: nn.Module
+    in_features: int
+    out_features: int
+
+    @property
+    def weight(self) -> Tensor:
+        return self.wide.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.wide.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = graph_ops.product(self, x.reshape(-1, self.in_features))
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class NarrowFp16Linear(_NarrowOverWide):
     """A bf16 `nn.Linear` held twice (the ``onednn+fp16`` layout, see the module doc):
     oneDNN-packed bf16 for calls of more than `NARROW_ROWS` rows, an fp16 copy packed for
     fbgemm for narrower ones. Inputs and outputs are bf16 either way."""
@@ -206,14 +227,6 @@ class NarrowFp16Linear(nn.Module):
         self.weight_bytes = weight.numel() * 2
         self.handle = graph_ops.register(self)
 
-    @property
-    def weight(self) -> Tensor:
-        return self.wide.weight
-
-    @property
-    def bias(self) -> Tensor | None:
-        return self.wide.bias
-
     def __deepcopy__(self, memo: dict) -> NarrowFp16Linear:
         plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
         plain = plain.to(torch.bfloat16)
@@ -228,15 +241,11 @@ class NarrowFp16Linear(nn.Module):
         out = torch.ops.quantized.linear_dynamic_fp16(rows.float(), self.packed)
         return out.to(rows.dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = graph_ops.product(self, x.reshape(-1, self.in_features))
-        return out.view(*x.shape[:-1], self.out_features)
 
-
-class Q8_0NarrowLinear(nn.Module):
-    """A decoder linear whose weight its GGUF stores in blocks that widen to Q8_0
+class Q8_0NarrowLinear(_NarrowOverWide):
+    """A decoder linear whose weight its GGUF stores in blocks read as int8 blocks
     (`kernels.gguf_blocks`): calls of at most `NARROW_ROWS` rows multiply those blocks
-    (`kernels.q8_0`: the file's own values, 1.125 bytes a weight), wider ones `wide`, the
+    (`kernels.q8_0`: the file's own values, 1.125 to 1.375 bytes a weight), wider ones `wide`, the
     layout's own packed weight (`OneDnnLinear` for a bf16 model, `Fp16Linear` for an fp32
     one). The blocks take the calls an fp16 copy would, so a bf16 model makes none."""
 
@@ -253,14 +262,6 @@ class Q8_0NarrowLinear(nn.Module):
         self.blocks = blocks
         self.handle = graph_ops.register(self)
 
-    @property
-    def weight(self) -> Tensor:
-        return self.wide.weight
-
-    @property
-    def bias(self) -> Tensor | None:
-        return self.wide.bias
-
     def __deepcopy__(self, memo: dict) -> Q8_0NarrowLinear:
         from copy import deepcopy
 
@@ -273,10 +274,6 @@ class Q8_0NarrowLinear(nn.Module):
         if self.bias is not None:
             out += self.bias
         return out.to(rows.dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = graph_ops.product(self, x.reshape(-1, self.in_features))
-        return out.view(*x.shape[:-1], self.out_features)
 
 
 def check_fp16_range(weight: Tensor, what: str) -> None:

@@ -134,15 +134,20 @@ def test_fp16_layout_batch_of_24_matches_alone(model, prompts):
     fp16 = copy.deepcopy(module)
     assert pack_linears(fp16.layers, "fp16") > 0
     head = LmHead(fp16.lm_head_weight, config.final_logit_softcap, backend=fp16_plan())
+    assert head.backend_for(24) != head.backend_for(1) or not onednn_available()
+    alone, together = _alone_and_among_24(config, fp16, head, prompts)
+    assert together[:8] == alone
+
+
+def _alone_and_among_24(config, module, head, prompts) -> tuple[list, list]:
+    """Greedy outputs of 8 requests each alone, and of the same 8 among 24 at once."""
     batch = [prompts[i % len(prompts)][: 40 + 13 * i] for i in range(24)]
     alone = []
     for prompt in batch[:8]:
-        executor, slots = make_executor(config, fp16, 1, CAPACITY, lm_head=head)
+        executor, slots = make_executor(config, module, 1, CAPACITY, lm_head=head)
         alone.append(GreedyRunner(executor, slots).generate([prompt], NEW_TOKENS)[0])
-    executor, slots = make_executor(config, fp16, len(batch), CAPACITY, lm_head=head)
-    assert head.backend_for(len(batch)) != head.backend_for(1) or not onednn_available()
-    together = GreedyRunner(executor, slots).generate(batch, NEW_TOKENS)
-    assert together[:8] == alone
+    executor, slots = make_executor(config, module, len(batch), CAPACITY, lm_head=head)
+    return alone, GreedyRunner(executor, slots).generate(batch, NEW_TOKENS)
 
 
 @pytest.mark.skipif(
@@ -151,18 +156,11 @@ def test_fp16_layout_batch_of_24_matches_alone(model, prompts):
 def test_fp16_layout_with_gguf_blocks_batch_of_24_matches_alone(model, prompts):
     """The fp32 model as the runner builds it (`model.linear = "fp16"` on the embedded GGUF):
     narrow calls read the head's and every linear's own blocks (int16 activations), wide
-    ones oneDNN's exact head and fbgemm's fp16 linears. A request's
-    greedy output is the same alone and among 24."""
+    ones oneDNN's exact head and fbgemm's fp16 linears. A request's greedy output is the
+    same alone and among 24."""
     config, module = model
     fp16 = copy.deepcopy(module)
     first, _ = make_executor(config, fp16, 1, CAPACITY, linear="fp16")
     assert first.linear_blocks == 4 * config.num_layers and first.lm_head.backend_for(1) == "q8_0"
-    head = first.lm_head
-    batch = [prompts[i % len(prompts)][: 40 + 13 * i] for i in range(24)]
-    alone = []
-    for prompt in batch[:8]:
-        executor, slots = make_executor(config, fp16, 1, CAPACITY, lm_head=head)
-        alone.append(GreedyRunner(executor, slots).generate([prompt], NEW_TOKENS)[0])
-    executor, slots = make_executor(config, fp16, len(batch), CAPACITY, lm_head=head)
-    together = GreedyRunner(executor, slots).generate(batch, NEW_TOKENS)
+    alone, together = _alone_and_among_24(config, fp16, first.lm_head, prompts)
     assert together[:8] == alone
