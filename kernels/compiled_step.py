@@ -25,9 +25,12 @@ two compiles serve every batch and context. Invariants the callers rely on:
 - Dynamo's guards (some 1,500 checks a graph on the model's modules and the inputs) are not
   evaluated for a step whose inputs `CompiledStep.known` accepts: each tensor of the dtype,
   device, rank and layout the graphs were compiled for, lanes >= 2, and the executor's
-  model and KV pool the same objects; Dynamo then only tells the two graphs apart
-  (`skip_guard_eval_unsafe`, as vLLM's compiled models skip guards once warmed up). Any
-  other step is checked in full, and runs eagerly where a guard fails.
+  model and KV pool the same objects. Dynamo then checks only what tells the two graphs
+  apart and what it keeps by default (the input tensors' own checks, shape ranges, global
+  state); it skips those on the modules, their parameters and constants
+  (`skip_guard_eval_unsafe`, torch 2.13; vLLM's compiled models skip guards once warmed up
+  too). Any other step is checked in full, and runs eagerly where a guard fails. A module
+  swapped inside the model after compiling would go unseen: nothing does that.
 
 Compiled code is cached on disk (Inductor's FX graph cache) under `cache_root()`: one folder
 per torch version and CPU (capability and flags), so a restart traces the graph again but

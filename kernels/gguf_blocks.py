@@ -154,7 +154,8 @@ def stacked(parts: list[Q8_0Weight]) -> Q8_0Weight:
         s = p.scales
         scales.append(s[..., None].expand(*s.shape, 2) if subblocks > p.subblocks else s)
         if with_mins:
-            mins.append(p.mins if p.mins is not None else torch.zeros(p.scales.shape[:2]))
+            none = torch.zeros(p.scales.shape[:2], dtype=torch.float32)
+            mins.append(p.mins if p.mins is not None else none)
     return Q8_0Weight(
         torch.cat([p.q for p in parts]),
         torch.cat(scales).contiguous(),

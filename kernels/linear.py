@@ -62,15 +62,23 @@ hold a weight or fbgemm does not run); ``aten`` otherwise. `bin/engine bench mod
 from __future__ import annotations
 
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from kernels import graph_ops
 
-if TYPE_CHECKING:
-    from kernels.q8_0 import Q8_0Packed
+
+class BlockProduct(Protocol):
+    """A weight's blocks in a kernel's layout (`kernels.q8_0.Q8_0Packed`; named by shape,
+    not imported: the kernel's module reaches the loader, which reaches this one)."""
+
+    rows: int
+    hidden: int
+
+    def product(self, rows: Tensor) -> Tensor: ...
+
 
 # fused module name -> its parts, in the order their outputs are stacked
 STACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -249,7 +257,7 @@ class Q8_0NarrowLinear(_NarrowOverWide):
     layout's own packed weight (`OneDnnLinear` for a bf16 model, `Fp16Linear` for an fp32
     one). The blocks take the calls an fp16 copy would, so a bf16 model makes none."""
 
-    def __init__(self, wide: nn.Module, blocks: Q8_0Packed) -> None:
+    def __init__(self, wide: nn.Module, blocks: BlockProduct) -> None:
         super().__init__()
         if (blocks.rows, blocks.hidden) != (wide.out_features, wide.in_features):
             raise ValueError(
@@ -263,9 +271,8 @@ class Q8_0NarrowLinear(_NarrowOverWide):
         self.handle = graph_ops.register(self)
 
     def __deepcopy__(self, memo: dict) -> Q8_0NarrowLinear:
-        from copy import deepcopy
-
-        return Q8_0NarrowLinear(deepcopy(self.wide, memo), self.blocks)  # blocks: read-only
+        # the wide layout's own copy (each packed form has one); the blocks are read-only
+        return Q8_0NarrowLinear(self.wide.__deepcopy__(memo), self.blocks)
 
     def product(self, rows: Tensor) -> Tensor:
         if rows.shape[0] > NARROW_ROWS:
@@ -407,7 +414,7 @@ BLOCK_LAYOUTS: dict[str, type[nn.Module]] = {"fp16": Fp16Linear, "onednn+fp16": 
 def pack_linears(
     module: nn.Module,
     backend: str = "onednn",
-    blocks: dict[str, Q8_0Packed] | None = None,
+    blocks: dict[str, BlockProduct] | None = None,
     prefix: str = "",
 ) -> int:
     """Replace every `nn.Linear` inside `module` by its `backend` form (`OneDnnLinear`,

@@ -115,7 +115,7 @@ class Q8_0Weight:
         n = self.subblocks
         pq = torch.empty(padded * h, dtype=torch.int8)
         ps = torch.empty(padded * (h // BLOCK) * n, dtype=torch.float32)
-        pm = None if self.mins is None else torch.empty(padded * (h // BLOCK))
+        pm = None if self.mins is None else torch.empty(padded * (h // BLOCK), dtype=torch.float32)
         scales = self.scales.contiguous()
         mins = None if self.mins is None else self.mins.contiguous()
         lib.q8_0_pack(
@@ -160,7 +160,7 @@ class Q8_0Packed:
             raise ValueError(f"rows of {h} features for a [{self.rows}, {self.hidden}] weight")
         padded = self.q.numel() // h
         out = torch.empty((n, padded), dtype=torch.float32)
-        if self.lib.q8_0_gemv(
+        failed = self.lib.q8_0_gemv(
             x.data_ptr(),
             n,
             h,
@@ -171,8 +171,11 @@ class Q8_0Packed:
             padded,
             out.data_ptr(),
             torch.get_num_threads(),
-        ):
+        )
+        if failed == -1:
             raise MemoryError("the Q8_0 kernel's scratch memory could not be allocated")
+        if failed:
+            raise ValueError(f"the Q8_0 kernel refused {self.subblocks} scales a block")
         return out if padded == self.rows else out[:, : self.rows].contiguous()
 
 

@@ -94,6 +94,13 @@ class SessionHarness(Harness):
             SchedulerStatsRequest(), expect=SchedulerStats
         )
 
+    async def demotions_done(self) -> None:
+        """Wait until no session holds pool pages (every ended turn's demotion has run: the
+        EndTurn that starts it is sent, not awaited)."""
+        with anyio.fail_after(10):
+            while (await self.kv()).session_pages:
+                await anyio.sleep(0.01)
+
     async def settled(self) -> KvStats:
         """Wait for the engine to go idle; the KV must balance with the sessions' share."""
         with anyio.fail_after(10):
@@ -197,6 +204,7 @@ def test_sessions_demoted_to_the_host_tier_load_their_history_back():
             async def conversation(i, sid):
                 for k in range(3):
                     prompt = histories[sid] + rand_tokens(rng, rng.randrange(3, 12))
+                    await h.demotions_done()  # else a turn may race its own demotion
                     rid, out = await h.turn(sid, prompt)
                     if histories[sid]:
                         assert h.sink.cached[rid] == len(histories[sid]) - 1

@@ -7,6 +7,7 @@ were. The embedded Gemma 3 270M's are its exact weights, and closer than the fp1
 
 from __future__ import annotations
 
+import copy
 import json
 
 import gguf
@@ -103,6 +104,7 @@ def test_narrow_calls_take_the_blocks_and_wide_ones_the_layout():
         else:  # the blocks' (16-bit activations), not the fp16 copy's
             assert torch.equal(got, blocks.packed().product(x) + linear.bias.detach())
         assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+        assert torch.equal(copy.deepcopy(module)(x), got)  # a copy computes the same
     with pytest.raises(ValueError, match="blocks of \\[48, 64\\] for a \\[40, 64\\]"):
         Q8_0NarrowLinear(Fp16Linear(torch.nn.Linear(64, 40)), blocks.packed())
     with pytest.raises(ValueError, match="layouts, not onednn"):
