@@ -190,9 +190,12 @@ def test_eight_sessions_interleaved_with_plain_requests_on_a_small_pool():
 
 def test_sessions_demoted_to_the_host_tier_load_their_history_back():
     """No pool share for idle sessions: every finished turn is demoted to the runner's host
-    store, and every next turn loads it back (the fake runner checks each forward's rows
+    store, and every next turn gets its history back whole: from the prefix tree where it
+    still holds it, else loaded from the store (the fake runner checks each forward's rows
     against the tokens it wrote, loaded ones included), interleaved with plain traffic that
-    evicts the tree. Outputs equal the same conversations without a session."""
+    evicts the tree. How many turns find the tree evicted depends on how the four
+    conversations interleave, so the loads are counted against the promotions, not fixed.
+    Outputs equal the same conversations without a session."""
 
     async def go():
         rng = random.Random(3)
@@ -218,8 +221,8 @@ def test_sessions_demoted_to_the_host_tier_load_their_history_back():
                     tg.start_soon(conversation, i, sid)
             kv = await h.settled()
             assert kv.session_pages == 0 and kv.host_tier_entries == 4
-            assert kv.session_demotes == 12 and kv.session_promotes == 8, kv
-            assert h.runner.loads == 8 and len(h.runner.store) == 4
+            assert kv.session_demotes == 12 and 1 <= kv.session_promotes <= 8, kv
+            assert h.runner.loads == kv.session_promotes and len(h.runner.store) == 4
             assert kv.idle_check_failures == 0 and kv.tier_failures == 0
             info = await h.sessions.call(OffloadSession(session_id=sids[0]), expect=SessionInfo)
             assert info.held_tokens == len(histories[sids[0]]) - 1  # already in the tier
