@@ -312,6 +312,7 @@ class ModelRunnerActor(Actor):
             head_blocks_error=self.executor.head_blocks_error,
             linear_blocks=self.executor.linear_blocks,
             linear_blocks_error=self.executor.linear_blocks_error,
+            linear_operator=self.executor.linear_operator,
             weights_bytes=measured_weight_bytes(model, self.executor.lm_head),
         )
         self.sampler = Sampler()

@@ -66,6 +66,7 @@ from typing import Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kernels import graph_ops
 
@@ -78,6 +79,11 @@ class BlockProduct(Protocol):
     hidden: int
 
     def product(self, rows: Tensor) -> Tensor: ...
+
+    @property
+    def traceable(self) -> bool: ...  # `linear` is one op a compiled graph can hold
+
+    def linear(self, rows: Tensor, bias: Tensor | None = None) -> Tensor: ...
 
 
 # fused module name -> its parts, in the order their outputs are stacked
@@ -274,13 +280,23 @@ class Q8_0NarrowLinear(_NarrowOverWide):
         # the wide layout's own copy (each packed form has one); the blocks are read-only
         return Q8_0NarrowLinear(self.wide.__deepcopy__(memo), self.blocks)
 
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)
+        # A graph whose width is fixed and narrow (one row: batch-1 decode) holds the blocks'
+        # operator itself, so no Python runs between the graph and the kernel. A symbolic
+        # width is never narrow here (a guard on it would go unchecked: compiled_step).
+        if (
+            torch.compiler.is_compiling()
+            and self.blocks.traceable
+            and statically_known_true(rows.shape[0] <= NARROW_ROWS)
+        ):
+            return self.blocks.linear(rows, self.bias).view(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
     def product(self, rows: Tensor) -> Tensor:
         if rows.shape[0] > NARROW_ROWS:
             return self.wide.product(rows)
-        out = self.blocks.product(rows)
-        if self.bias is not None:
-            out += self.bias
-        return out.to(rows.dtype)
+        return self.blocks.linear(rows, self.bias)
 
 
 def check_fp16_range(weight: Tensor, what: str) -> None:

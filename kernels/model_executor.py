@@ -49,6 +49,7 @@ class ModelExecutor:
         self.head_blocks_error: str | None = None  # why the head's Q8_0 blocks were not read
         self.linear_blocks_error: str | None = None  # why some linears' blocks were not read
         self.linear_blocks = 0  # decoder linears whose narrow calls read their GGUF's blocks
+        self.linear_operator = ""  # their product as a torch op: built, or why not (q8_0)
         self.kv_cache = kv_cache
         self.attention = attention_backend
         self.req_to_token = req_to_token
@@ -120,7 +121,7 @@ class ModelExecutor:
         against the weight the model loaded (equal, in the model's dtype); one that differs
         is left out, and named in `linear_blocks_error`."""
         from kernels.gguf_blocks import iter_linear_blocks
-        from kernels.q8_0 import vectorized
+        from kernels.q8_0 import load_operator, operator_status, vectorized
 
         path = getattr(model, "gguf_path", None)
         if path is None or self.device.type != "cpu" or not vectorized():
@@ -143,6 +144,9 @@ class ModelExecutor:
         if differ:
             self.linear_blocks_error = f"blocks unlike the loaded weights: {', '.join(differ)}"
         self.linear_blocks = len(out)
+        if out:
+            load_operator()  # the blocks' product as one torch op, built now rather than mid-step
+            self.linear_operator = operator_status()
         return out
 
     @torch.inference_mode()

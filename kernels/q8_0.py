@@ -19,7 +19,9 @@ that copy holds the weights rounded to bf16, or to fp16 on an fp32 model
 the model). The head (`LmHead`) and the linears (`kernels.linear.Q8_0NarrowLinear`) take
 it in place of their fp16 copies wherever the kernel builds with AVX2 or wider
 (`vectorized`); where no C compiler runs, the kernel is unavailable and they keep those
-copies (`kernel_status` says why).
+copies (`kernel_status` says why). Where a C++ compiler runs too, `load_operator` builds the
+product as a torch operator as well (`csrc/q8_0_op.cpp`: `torch.ops.kvactor.q8_0_linear`),
+which `Q8_0Packed.linear` calls, and a compiled graph can hold, with no Python per call.
 """
 
 from __future__ import annotations
@@ -38,14 +40,17 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).parent / "csrc" / "q8_0_gemv.c"
+OP_SOURCE = Path(__file__).parent / "csrc" / "q8_0_op.cpp"  # the product as a torch operator
 BLOCK = 32
 TILE = 16  # rows per tile of the packed layout
-BUILD_TIMEOUT_S = 120
+BUILD_TIMEOUT_S = 180
 ISA_NAMES = {3: "avx512-vnni", 2: "avx512bw", 1: "avx2", 0: "plain C"}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _status = "not built yet"
+_operator_loaded = False
+_operator_status = "not built yet"
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ class Q8_0Weight:
         rows = v if rows is None else min(rows, v)
         padded = -(-rows // TILE) * TILE
         n = self.subblocks
-        pq = torch.empty(padded * h, dtype=torch.int8)
+        pq = torch.empty(padded, h, dtype=torch.int8)  # the tiles' bytes: [padded rows, H]
         ps = torch.empty(padded * (h // BLOCK) * n, dtype=torch.float32)
         pm = None if self.mins is None else torch.empty(padded * (h // BLOCK), dtype=torch.float32)
         scales = self.scales.contiguous()
@@ -139,7 +144,7 @@ class Q8_0Weight:
 class Q8_0Packed:
     """Q8_0 blocks of a [rows, hidden] weight in the kernel's tiled layout."""
 
-    q: Tensor  # int8, whole tiles of 16 rows
+    q: Tensor  # int8 [whole tiles of 16 rows, hidden], in the tiles' byte order
     scales: Tensor  # fp32
     rows: int
     hidden: int
@@ -178,6 +183,24 @@ class Q8_0Packed:
             raise ValueError(f"the Q8_0 kernel refused {self.subblocks} scales a block")
         return out if padded == self.rows else out[:, : self.rows].contiguous()
 
+    @property
+    def traceable(self) -> bool:
+        """Whether `linear` runs as the operator (which a compiled graph can hold): it is
+        built, and these blocks are in the layout of the build it calls."""
+        return _operator_loaded and self.lib is _library
+
+    def linear(self, rows: Tensor, bias: Tensor | None = None) -> Tensor:
+        """`product` plus `bias`, in the rows' dtype: `torch.ops.kvactor.q8_0_linear`
+        where `traceable`, else the same through ctypes."""
+        if self.traceable:
+            return torch.ops.kvactor.q8_0_linear(
+                rows, self.q, self.scales, self.mins, bias, self.rows, self.subblocks
+            )
+        out = self.product(rows)
+        if bias is not None:
+            out += bias
+        return out.to(rows.dtype)
+
 
 def _library_or_raise(lib: ctypes.CDLL | None) -> ctypes.CDLL:
     lib = lib or kernel()
@@ -202,6 +225,36 @@ def kernel() -> ctypes.CDLL | None:
 
 def kernel_status() -> str:
     return _status
+
+
+def load_operator() -> bool:
+    """Whether `torch.ops.kvactor.q8_0_linear` is registered: built (`build_operator`,
+    seconds, cached) and loaded at the first call, over this process's kernel. Blocks take
+    it from then on (`Q8_0Packed.linear`); where it cannot be built they keep the ctypes
+    path, with the same results (`operator_status` says why)."""
+    global _operator_loaded, _operator_status
+    lib = kernel()  # takes the lock itself
+    with _lock:
+        if not _operator_loaded and _operator_status == "not built yet":
+            try:
+                if lib is None:
+                    raise RuntimeError(f"the kernel is unavailable: {_status}")
+                torch.ops.load_library(str(build_operator(Path(lib._name))))
+                torch.library.register_fake("kvactor::q8_0_linear", _operator_shape)
+                _operator_loaded = True
+                _operator_status = "built"
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _operator_status = f"not built: {str(exc)[-300:]}"
+        return _operator_loaded
+
+
+def operator_status() -> str:
+    return _operator_status
+
+
+def _operator_shape(rows: Tensor, q, scales, mins, bias, out_features: int, subblocks: int):
+    """The operator's output for tracing: [rows, out_features] in the rows' dtype."""
+    return rows.new_empty((rows.shape[0], out_features))
 
 
 def vectorized() -> bool:
@@ -252,6 +305,59 @@ def build_library(flags: tuple[str, ...] = ("-march=native",), directory: Path |
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
+        os.replace(built, target)  # whole or not at all, for another process building too
+    return target
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler: $CXX, else c++, g++ or clang++ on PATH."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build_operator(kernel_library: Path) -> Path:
+    """`csrc/q8_0_op.cpp` as a shared library linked to `kernel_library` (a build of the
+    kernel), compiled once against this torch's headers into the same folder, under a key
+    of the source, the kernel's build, torch's version and the compiler."""
+    from torch.utils import cpp_extension
+
+    cxx = cxx_compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (set CXX, or install c++/g++/clang++)")
+    version = subprocess.run(
+        [cxx, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout.split("\n")[0]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    kernel_library = kernel_library.resolve()
+    parts = [OP_SOURCE.read_text(), kernel_library.name, torch.__version__, cxx, version, str(abi)]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    target = kernel_library.parent / f"q8_0_op-{key}.so"
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(dir=kernel_library.parent) as scratch:
+        built = Path(scratch) / target.name
+        command = [
+            cxx,
+            "-O2",
+            "-std=c++20",
+            "-shared",
+            "-fPIC",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{p}" for p in cpp_extension.include_paths()),
+            str(OP_SOURCE),
+            str(kernel_library),
+            f"-Wl,-rpath,{kernel_library.parent}",
+            *(f"-L{p}" for p in cpp_extension.library_paths()),
+            "-lc10",
+            "-ltorch_cpu",
+            "-o",
+            str(built),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode:
+            raise RuntimeError(f"{cxx} failed on {OP_SOURCE.name}: {done.stderr.strip()[-400:]}")
         os.replace(built, target)  # whole or not at all, for another process building too
     return target
 

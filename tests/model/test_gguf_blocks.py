@@ -205,3 +205,58 @@ def test_the_embedded_models_linears_are_its_blocks_and_closer_than_fp16_copies(
         err_blocks = (via_blocks - exact).abs().max().item()
         err_fp16 = (via_fp16 - exact).abs().max().item()
         assert err_blocks < err_fp16, name
+
+
+def test_a_compiled_one_row_step_holds_the_blocks_operator(tmp_path, monkeypatch):
+    """The one-row graph (batch-1 decode) calls `kvactor.q8_0_linear` itself: no linear's
+    Python runs in its step, where the two-row graph still goes through `packed_linear` and
+    each module's `product`. Both give the eager step's logits."""
+    from kernels import q8_0
+    from kernels.attention import make_attention_backend
+    from kernels.compiled_step import CompiledStep, compile_verified_here
+    from kernels.forward_batch import ForwardBatch
+    from kernels.kv_cache import KVCache, ReqToTokenTable
+    from kernels.model_executor import ModelExecutor
+    from kernels.models import load_model
+    from tests.model.gguf_fixtures import write_tiny_gguf
+
+    if not vectorized() or not compile_verified_here():
+        pytest.skip("no vectorized kernel or no verified compiled steps here")
+    if not q8_0.load_operator():
+        pytest.skip(f"no operator here: {q8_0.operator_status()}")
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q8_0", save_hf=False)["gguf_path"]
+    config, model = load_model(str(path), torch.float32)
+    kv = KVCache(config.num_layers, 65, config.num_kv_heads, config.head_dim, torch.float32)
+    table = ReqToTokenTable(2, 32)
+    table.apply_slot_deltas([0, 1], [0, 0], [32, 32], torch.arange(1, 65, dtype=torch.int32))
+    attention = make_attention_backend("torch")
+    executor = ModelExecutor(config, model, kv, attention, table, linear="fp16")
+    assert executor.linear_blocks == 4 * config.num_layers
+    assert executor.linear_operator == "built"
+    executor.compiled = CompiledStep(executor)
+    executor.compiled.compile()
+    assert executor.compiled.ready, executor.compiled.failed
+    lens = [5, 9]
+    executor.compiled.max_tokens = 0  # prefill eagerly
+    prompts = [[3 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate(lens)]
+    executor.forward(ForwardBatch([0, 1], [0, 0], prompts, [True, True]))
+
+    calls = []
+    product = Q8_0NarrowLinear.product
+    monkeypatch.setattr(
+        Q8_0NarrowLinear, "product", lambda self, rows: calls.append(1) or product(self, rows)
+    )
+    linears = 4 * config.num_layers
+    for rows, compiled_calls in (([0], 0), ([0, 1], linears)):
+        logits = []
+        for limit in (0, 32):  # eager, then the graph
+            executor.compiled.max_tokens = limit
+            calls.clear()
+            steps = executor.compiled.steps
+            batch = ForwardBatch.decode(rows, [lens[r] for r in rows], [7 + r for r in rows])
+            logits.append(executor.forward(batch))
+            assert executor.compiled.steps == steps + (limit > 0)
+            assert len(calls) == (compiled_calls if limit else linears)
+        eager, compiled = logits
+        assert (compiled - eager).abs().max() <= 1e-4 * max(1.0, eager.abs().max().item())
+        assert torch.equal(compiled.argmax(-1), eager.argmax(-1))

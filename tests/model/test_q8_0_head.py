@@ -103,11 +103,15 @@ def test_every_build_computes_the_promised_product(build, vocab, hidden, kind, t
     generator = torch.Generator().manual_seed(vocab)
     weight = _weight(kind, vocab, hidden, generator)
     packed = weight.packed(lib)
+    own = weight.packed()  # this process's build: its operator's, where it is built
+    assert not packed.traceable  # another build's layout: its own ctypes path
     for n in (1, 2, 3, 5, 9):
         x = torch.randn(n, hidden, generator=generator)
         x[0, :BLOCK] = 0  # an all-zero block
         out = packed.product(x)
         assert out.shape == (n, vocab) and out.dtype == torch.float32
+        assert torch.equal(packed.linear(x), out)
+        assert torch.equal(own.linear(x), own.product(x))
         promised = _promised(weight, x)
         # fp32 sums of exact integer dots: error of fp32 rounding only
         bound = 1e-5 * np.abs(promised).max() + 1e-6
@@ -269,3 +273,33 @@ def test_the_embedded_heads_blocks_are_its_weights_and_closer_than_the_fp16_copy
     err_fp16 = (via_fp16.double() - exact).abs().max().item()
     # (both hand back bf16 logits, as a bf16 model's head does: that rounding dominates)
     assert err_blocks <= err_fp16 and err_blocks < 2.0**-7 * exact.abs().max().item()
+
+
+def test_the_operator_computes_what_the_ctypes_path_does(monkeypatch):
+    """`Q8_0Packed.linear` as `torch.ops.kvactor.q8_0_linear` (one op, no Python per call)
+    and through ctypes give the same tensor: padding rows dropped, the bias added in fp32,
+    the rows' dtype; bad operands are refused by the operator as by the Python path."""
+    from kernels import q8_0
+
+    if kernel() is None or not q8_0.load_operator():
+        pytest.skip(f"no operator here: {q8_0.operator_status()}")
+    torch.manual_seed(3)
+    weight = torch.randn(40, 96) * 0.1  # 40 rows: 48 packed
+    packed = Q8_0Weight.quantize(weight).packed()
+    assert packed.traceable and tuple(packed.q.shape) == (48, 96)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, bias = torch.randn(3, 96).to(dtype), torch.randn(40).to(dtype)
+        for b in (None, bias):
+            got = packed.linear(x, b)
+            with monkeypatch.context() as patch:
+                patch.setattr(q8_0, "_operator_loaded", False)
+                assert not packed.traceable
+                want = packed.linear(x, b)
+            assert got.dtype == dtype and got.shape == (3, 40)
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="rows of 64 features for blocks of \\[48, 96\\]"):
+        packed.linear(torch.randn(1, 64))
+    with pytest.raises(ValueError, match="scales must be a contiguous CPU tensor"):
+        torch.ops.kvactor.q8_0_linear(
+            torch.randn(1, 96), packed.q, packed.scales.double(), None, None, 40, 1
+        )
