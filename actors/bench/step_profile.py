@@ -2,12 +2,12 @@
 each op's own (self) CPU time put in one bucket.
 
 Buckets, first match up an op's call chain: the LM head (everything under it, its own range
-included), decoder linears (a compiled step's `kvactor::packed_linear` too), attention (SDPA
-and its parts), KV gather/scatter (index ops that read or write the paged cache), and the
-rest (norms, rotary, activations, embedding, copies). What the profiled wall time holds
-beyond the ops' own time is Python and dispatch between ops. The profiler adds its own cost
-per op, so read shares, not absolute times, and take the step's
-wall time from an unprofiled run.
+included), decoder linears (`kvactor::packed_linear` and `kvactor::q8_0_linear` too),
+attention (SDPA and its parts), KV gather/scatter (index ops that read or write the paged
+cache), and the rest (norms, rotary, activations, embedding, copies). What the profiled wall
+time holds beyond the ops' own time is Python and dispatch between ops. The profiler adds
+its own cost per op, so read shares, not absolute times, and take the step's wall time
+from an unprofiled run.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ _LINEAR_OPS = (
     "aten::_weight_int8pack_mm",
     "aten::_weight_int4pack_mm_for_cpu",
     "kvactor::packed_linear",  # a compiled step's packed linears (kernels.graph_ops)
+    "kvactor::q8_0_linear",  # the blocks' operator, eager or in a one-row graph (kernels.q8_0)
 )
 _KV_OPS = ("aten::index_select", "aten::index_copy_", "aten::index_put_", "aten::index")
 

@@ -3,6 +3,7 @@ interior in the LM head's, an embedding lookup in the other ops and not the KV g
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -96,3 +97,25 @@ def test_work_outside_torch_ops_lands_in_the_head_and_the_packed_linears():
         ms = profile_steps(m.step, m, steps=3)
     total = sum(ms.values())
     assert ms[LM_HEAD] > 0.3 * total and ms[LINEARS] > 0.3 * total
+
+
+def test_the_blocks_operator_counts_as_a_linear():
+    """`kvactor::q8_0_linear` (the decoder linears of a compiled one-row step) is a linear."""
+    from kernels import q8_0
+
+    if q8_0.kernel() is None or not q8_0.load_operator():
+        pytest.skip(f"no operator here: {q8_0.operator_status()}")
+    packed = q8_0.Q8_0Weight.quantize(torch.randn(4096, 1024) * 0.05).packed()
+    x = torch.randn(1, 1024)
+
+    class _Blocks:
+        def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+            return h
+
+        def step(self):
+            return self.lm_head(packed.linear(x))
+
+    m = _Blocks()
+    with torch.inference_mode():
+        ms = profile_steps(m.step, m, steps=5)
+    assert ms[LINEARS] > 0.5 * sum(ms.values())
