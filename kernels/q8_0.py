@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,10 +267,39 @@ def vectorized() -> bool:
 
 def compiler() -> str | None:
     """The C compiler: $CC, else cc, gcc or clang on PATH."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    return _on_path("CC", ("cc", "gcc", "clang"))
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler: $CXX, else c++, g++ or clang++ on PATH."""
+    return _on_path("CXX", ("c++", "g++", "clang++"))
+
+
+def _on_path(variable: str, names: tuple[str, ...]) -> str | None:
+    for name in (os.environ.get(variable), *names):
         if name and shutil.which(name):
             return name
     return None
+
+
+def _version(tool: str) -> str:
+    done = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=30)
+    return done.stdout.split("\n")[0]
+
+
+def _built(target: Path, command: Callable[[Path], list]) -> Path:
+    """`target`, compiled by `command(output path)` unless it exists: into a scratch folder
+    beside it, then renamed, so it is whole or absent for another process building too."""
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        argv = command(built)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(map(str, argv))} failed: {done.stderr.strip()[-400:]}")
+        os.replace(built, target)
+    return target
 
 
 def build_library(flags: tuple[str, ...] = ("-march=native",), directory: Path | None = None):
@@ -285,36 +315,18 @@ def build_library(flags: tuple[str, ...] = ("-march=native",), directory: Path |
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install cc/gcc/clang)")
-    version = subprocess.run(
-        [cc, "--version"], capture_output=True, text=True, timeout=30
-    ).stdout.split("\n")[0]
     cpu_flags = sorted(cpu_features().flags)
-    parts = [SOURCE.read_text(), *flags, cc, version, platform.machine(), *cpu_flags]
+    parts = [SOURCE.read_text(), *flags, cc, _version(cc), platform.machine(), *cpu_flags]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     if directory is None:
         directory = kvactor_cache_dir() / "kernels"
         if not cpu_flags:
             directory = Path(tempfile.mkdtemp(prefix="kvactor-q8_0-"))
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"q8_0_gemv-{key}.so"
-    if target.is_file():
-        return target
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        built = Path(scratch) / target.name
-        command = [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
-        os.replace(built, target)  # whole or not at all, for another process building too
-    return target
-
-
-def cxx_compiler() -> str | None:
-    """The C++ compiler: $CXX, else c++, g++ or clang++ on PATH."""
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
+    return _built(
+        directory / f"q8_0_gemv-{key}.so",
+        lambda out: [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", out],
+    )
 
 
 def build_operator(kernel_library: Path) -> Path:
@@ -326,19 +338,13 @@ def build_operator(kernel_library: Path) -> Path:
     cxx = cxx_compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (set CXX, or install c++/g++/clang++)")
-    version = subprocess.run(
-        [cxx, "--version"], capture_output=True, text=True, timeout=30
-    ).stdout.split("\n")[0]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     kernel_library = kernel_library.resolve()
-    parts = [OP_SOURCE.read_text(), kernel_library.name, torch.__version__, cxx, version, str(abi)]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    target = kernel_library.parent / f"q8_0_op-{key}.so"
-    if target.is_file():
-        return target
-    with tempfile.TemporaryDirectory(dir=kernel_library.parent) as scratch:
-        built = Path(scratch) / target.name
-        command = [
+    parts = [OP_SOURCE.read_text(), kernel_library.name, torch.__version__, cxx, _version(cxx)]
+    key = hashlib.sha256("\0".join([*parts, str(abi)]).encode()).hexdigest()[:16]
+    return _built(
+        kernel_library.parent / f"q8_0_op-{key}.so",
+        lambda out: [
             cxx,
             "-O2",
             "-std=c++20",
@@ -353,13 +359,9 @@ def build_operator(kernel_library: Path) -> Path:
             "-lc10",
             "-ltorch_cpu",
             "-o",
-            str(built),
-        ]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode:
-            raise RuntimeError(f"{cxx} failed on {OP_SOURCE.name}: {done.stderr.strip()[-400:]}")
-        os.replace(built, target)  # whole or not at all, for another process building too
-    return target
+            out,
+        ],
+    )
 
 
 def load_library(path: Path) -> ctypes.CDLL:

@@ -303,3 +303,19 @@ def test_the_operator_computes_what_the_ctypes_path_does(monkeypatch):
         torch.ops.kvactor.q8_0_linear(
             torch.randn(1, 96), packed.q, packed.scales.double(), None, None, 40, 1
         )
+
+
+def test_without_a_cxx_compiler_the_blocks_keep_the_ctypes_path(monkeypatch):
+    from kernels import q8_0
+
+    if kernel() is None:
+        pytest.skip("no kernel here")
+    monkeypatch.setattr(q8_0, "_operator_loaded", False)
+    monkeypatch.setattr(q8_0, "_operator_status", "not built yet")
+    monkeypatch.setattr(q8_0, "cxx_compiler", lambda: None)
+    assert not q8_0.load_operator()
+    assert q8_0.operator_status().startswith("not built: no C++ compiler (set CXX")
+    weight = Q8_0Weight.quantize(torch.randn(32, 64) * 0.1)
+    packed = weight.packed()
+    x = torch.randn(2, 64)
+    assert not packed.traceable and torch.equal(packed.linear(x), packed.product(x))
