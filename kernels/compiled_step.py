@@ -5,7 +5,8 @@ activations, the paged K/V gather, attention) between the weight products, and t
 and dispatch between them cost as much as the products themselves. `CompiledStep` traces
 the model body once with `torch.compile` (Inductor's C++ code on the CPU), which fuses the
 small ops into a few loops and calls the products' own kernels (packed CPU linears through
-`kernels.graph_ops`).
+`kernels.graph_ops`; in the one-row graph, a GGUF's blocks through their C++ operator,
+`kvactor::q8_0_linear`, as a node of its own).
 
 The graph is token-major: row t of a step is one new token, with its own key lanes (the
 slots of its request's positions up to its own; on sliding layers only those its window

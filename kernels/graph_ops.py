@@ -5,7 +5,9 @@ hold their weight as an opaque object (a TorchScript object or an MKLDNN tensor)
 Dynamo cannot trace. Inside a compiled region such a module calls `packed_linear`, a custom
 op that names the module by an integer handle and states the output's shape, so the graph
 keeps the product as one call to the same kernel (`kernels.compiled_step`). Outside a
-compiled region the modules call their kernel directly, at no cost.
+compiled region the modules call their kernel directly, at no cost. (A linear reading a
+GGUF's blocks, in a graph whose width is fixed and narrow, calls their C++ operator
+instead: `kernels.q8_0`, `Q8_0NarrowLinear.forward`.)
 
 Handles are never reused; the registry holds modules weakly, so a dropped model's packed
 weights are freed as before.

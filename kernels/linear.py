@@ -283,8 +283,8 @@ class Q8_0NarrowLinear(_NarrowOverWide):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)
         # A graph whose width is fixed and narrow (one row: batch-1 decode) holds the blocks'
-        # operator itself, so no Python runs between the graph and the kernel. A symbolic
-        # width is never narrow here (a guard on it would go unchecked: compiled_step).
+        # operator itself: no custom op calling back into Python. A symbolic width is never
+        # narrow here (a guard on it would go unchecked: compiled_step).
         if (
             torch.compiler.is_compiling()
             and self.blocks.traceable

@@ -21,7 +21,8 @@ it in place of their fp16 copies wherever the kernel builds with AVX2 or wider
 (`vectorized`); where no C compiler runs, the kernel is unavailable and they keep those
 copies (`kernel_status` says why). Where a C++ compiler runs too, `load_operator` builds the
 product as a torch operator as well (`csrc/q8_0_op.cpp`: `torch.ops.kvactor.q8_0_linear`),
-which `Q8_0Packed.linear` calls, and a compiled graph can hold, with no Python per call.
+which `Q8_0Packed.linear` calls, and a compiled graph can hold as a node of its own (no
+custom op calling back into Python, no ctypes marshalling).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ ISA_NAMES = {3: "avx512-vnni", 2: "avx512bw", 1: "avx2", 0: "plain C"}
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _status = "not built yet"
+_operator_lock = threading.Lock()  # its own: the kernel's callers never wait on its build
 _operator_loaded = False
 _operator_status = "not built yet"
 
@@ -234,8 +236,8 @@ def load_operator() -> bool:
     it from then on (`Q8_0Packed.linear`); where it cannot be built they keep the ctypes
     path, with the same results (`operator_status` says why)."""
     global _operator_loaded, _operator_status
-    lib = kernel()  # takes the lock itself
-    with _lock:
+    lib = kernel()
+    with _operator_lock:
         if not _operator_loaded and _operator_status == "not built yet":
             try:
                 if lib is None:
@@ -244,8 +246,8 @@ def load_operator() -> bool:
                 torch.library.register_fake("kvactor::q8_0_linear", _operator_shape)
                 _operator_loaded = True
                 _operator_status = "built"
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _operator_status = f"not built: {str(exc)[-300:]}"
+            except Exception as exc:  # noqa: BLE001 - any failure leaves the ctypes path
+                _operator_status = f"not built: {str(exc)[-300:] or type(exc).__name__}"
         return _operator_loaded
 
 
@@ -332,19 +334,18 @@ def build_library(flags: tuple[str, ...] = ("-march=native",), directory: Path |
 def build_operator(kernel_library: Path) -> Path:
     """`csrc/q8_0_op.cpp` as a shared library linked to `kernel_library` (a build of the
     kernel), compiled once against this torch's headers into the same folder, under a key
-    of the source, the kernel's build, torch's version and the compiler."""
+    of the source, torch's version, the compiler and its whole command (the kernel's path
+    included: a cache that moved builds anew)."""
     from torch.utils import cpp_extension
 
     cxx = cxx_compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (set CXX, or install c++/g++/clang++)")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    kernel_library = kernel_library.resolve()
-    parts = [OP_SOURCE.read_text(), kernel_library.name, torch.__version__, cxx, _version(cxx)]
-    key = hashlib.sha256("\0".join([*parts, str(abi)]).encode()).hexdigest()[:16]
-    return _built(
-        kernel_library.parent / f"q8_0_op-{key}.so",
-        lambda out: [
+    kernel_library = kernel_library.resolve()  # linked by this path: part of the key
+
+    def command(out) -> list:
+        return [
             cxx,
             "-O2",
             "-std=c++20",
@@ -353,15 +354,17 @@ def build_operator(kernel_library: Path) -> Path:
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *(f"-I{p}" for p in cpp_extension.include_paths()),
             str(OP_SOURCE),
-            str(kernel_library),
-            f"-Wl,-rpath,{kernel_library.parent}",
+            str(kernel_library),  # no soname: recorded by this path
             *(f"-L{p}" for p in cpp_extension.library_paths()),
             "-lc10",
             "-ltorch_cpu",
             "-o",
             out,
-        ],
-    )
+        ]
+
+    parts = [OP_SOURCE.read_text(), torch.__version__, _version(cxx), *map(str, command("-"))]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return _built(kernel_library.parent / f"q8_0_op-{key}.so", command)
 
 
 def load_library(path: Path) -> ctypes.CDLL:

@@ -37,6 +37,11 @@ static at::Tensor q8_0_linear(const at::Tensor& rows, const at::Tensor& q,
                     "q8_0_linear: ", out_features, " outputs from ", padded, " packed rows");
   TORCH_CHECK_VALUE(scales.numel() == padded * (h / 32) * subblocks,
                     "q8_0_linear: ", scales.numel(), " scales for ", subblocks, " a block");
+  TORCH_CHECK_VALUE(!mins || mins->numel() == padded * (h / 32), "q8_0_linear: ",
+                    mins ? mins->numel() : 0, " minimums for ", padded * (h / 32), " blocks");
+  TORCH_CHECK_VALUE(!bias || (bias->dim() == 1 && bias->size(0) == out_features &&
+                              bias->device().is_cpu()),
+                    "q8_0_linear: the bias must be a CPU vector of ", out_features);
   at::Tensor out = at::empty({n, padded}, x.options());
   const int failed = q8_0_gemv(x.data_ptr<float>(), n, h, q.data_ptr<int8_t>(),
                                scales.data_ptr<float>(), static_cast<int>(subblocks),

@@ -103,7 +103,6 @@ def test_every_build_computes_the_promised_product(build, vocab, hidden, kind, t
     generator = torch.Generator().manual_seed(vocab)
     weight = _weight(kind, vocab, hidden, generator)
     packed = weight.packed(lib)
-    own = weight.packed()  # this process's build: its operator's, where it is built
     assert not packed.traceable  # another build's layout: its own ctypes path
     for n in (1, 2, 3, 5, 9):
         x = torch.randn(n, hidden, generator=generator)
@@ -111,7 +110,6 @@ def test_every_build_computes_the_promised_product(build, vocab, hidden, kind, t
         out = packed.product(x)
         assert out.shape == (n, vocab) and out.dtype == torch.float32
         assert torch.equal(packed.linear(x), out)
-        assert torch.equal(own.linear(x), own.product(x))
         promised = _promised(weight, x)
         # fp32 sums of exact integer dots: error of fp32 rounding only
         bound = 1e-5 * np.abs(promised).max() + 1e-6
@@ -275,20 +273,22 @@ def test_the_embedded_heads_blocks_are_its_weights_and_closer_than_the_fp16_copy
     assert err_blocks <= err_fp16 and err_blocks < 2.0**-7 * exact.abs().max().item()
 
 
-def test_the_operator_computes_what_the_ctypes_path_does(monkeypatch):
-    """`Q8_0Packed.linear` as `torch.ops.kvactor.q8_0_linear` (one op, no Python per call)
-    and through ctypes give the same tensor: padding rows dropped, the bias added in fp32,
-    the rows' dtype; bad operands are refused by the operator as by the Python path."""
+@pytest.mark.parametrize("kind", ["q8_0", "sub16", "mins", "both"])
+def test_the_operator_computes_what_the_ctypes_path_does(kind, monkeypatch):
+    """`Q8_0Packed.linear` as `torch.ops.kvactor.q8_0_linear` (one op, no ctypes) and
+    through ctypes give the same tensor, for every kind of block: padding rows dropped, the
+    bias added in fp32, the rows' dtype; bad operands are refused."""
     from kernels import q8_0
 
     if kernel() is None or not q8_0.load_operator():
         pytest.skip(f"no operator here: {q8_0.operator_status()}")
-    torch.manual_seed(3)
-    weight = torch.randn(40, 96) * 0.1  # 40 rows: 48 packed
-    packed = Q8_0Weight.quantize(weight).packed()
+    generator = torch.Generator().manual_seed(3)
+    weight = _weight(kind, 40, 96, generator)  # 40 rows: 48 packed
+    packed = weight.packed()
     assert packed.traceable and tuple(packed.q.shape) == (48, 96)
     for dtype in (torch.float32, torch.bfloat16):
-        x, bias = torch.randn(3, 96).to(dtype), torch.randn(40).to(dtype)
+        x = torch.randn(3, 96, generator=generator).to(dtype)
+        bias = torch.randn(40, generator=generator).to(dtype)
         for b in (None, bias):
             got = packed.linear(x, b)
             with monkeypatch.context() as patch:
@@ -299,10 +299,17 @@ def test_the_operator_computes_what_the_ctypes_path_does(monkeypatch):
             assert torch.equal(got, want)
     with pytest.raises(ValueError, match="rows of 64 features for blocks of \\[48, 96\\]"):
         packed.linear(torch.randn(1, 64))
+    n = packed.subblocks
     with pytest.raises(ValueError, match="scales must be a contiguous CPU tensor"):
         torch.ops.kvactor.q8_0_linear(
-            torch.randn(1, 96), packed.q, packed.scales.double(), None, None, 40, 1
+            torch.randn(1, 96), packed.q, packed.scales.double(), packed.mins, None, 40, n
         )
+    with pytest.raises(ValueError, match="5 minimums for 144 blocks"):
+        torch.ops.kvactor.q8_0_linear(
+            torch.randn(1, 96), packed.q, packed.scales, torch.zeros(5), None, 40, n
+        )
+    with pytest.raises(ValueError, match="the bias must be a CPU vector of 40"):
+        packed.linear(torch.randn(1, 96), torch.zeros(1))
 
 
 def test_without_a_cxx_compiler_the_blocks_keep_the_ctypes_path(monkeypatch):
