@@ -281,16 +281,15 @@ class Q8_0NarrowLinear(_NarrowOverWide):
         return Q8_0NarrowLinear(self.wide.__deepcopy__(memo), self.blocks)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features)
         # A graph whose width is fixed and narrow (one row: batch-1 decode) holds the blocks'
         # operator itself: no custom op calling back into Python. A symbolic width is never
-        # narrow here (a guard on it would go unchecked: compiled_step).
-        if (
-            torch.compiler.is_compiling()
-            and self.blocks.traceable
-            and statically_known_true(rows.shape[0] <= NARROW_ROWS)
-        ):
-            return self.blocks.linear(rows, self.bias).view(*x.shape[:-1], self.out_features)
+        # narrow here (a guard on it would go unchecked: compiled_step). Eager calls go
+        # straight to the shared path.
+        if torch.compiler.is_compiling() and self.blocks.traceable:
+            rows = x.reshape(-1, self.in_features)
+            if statically_known_true(rows.shape[0] <= NARROW_ROWS):
+                out = self.blocks.linear(rows, self.bias)
+                return out.view(*x.shape[:-1], self.out_features)
         return super().forward(x)
 
     def product(self, rows: Tensor) -> Tensor:
