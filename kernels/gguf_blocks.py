@@ -6,7 +6,7 @@ int8, they are Q8_0 blocks of the same values (`widen`). Two K-quants read the s
 with a little more per block (`widen_k`): Q4_K's sub-blocks of 32 carry a scale and a
 minimum (w = d * sc * q - dmin * m, q in [0, 15]), Q6_K's sub-blocks of 16 a scale each
 (w = d * sc * q, q in [-32, 31]); the kernel takes both kinds. Either way it multiplies the
-file's own weights, at 1.125 to 1.25 bytes a weight against the 2 of an fp16 copy. Q4_1,
+file's own weights, at 1.0625 to 1.25 bytes a weight against the 2 of an fp16 copy. Q4_1,
 Q5_1, Q5_K and Q2_K/Q3_K are not read so: their linears keep their float layout.
 
 `head_blocks` reads a tied head stored as Q8_0 where the file keeps it (a copy-on-write

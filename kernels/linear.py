@@ -37,7 +37,7 @@ Weight layouts for the CPU (`model.linear`), chosen once when a model is built:
 Where a GGUF stores a projection's parts in blocks `kernels.gguf_blocks` reads as int8
 blocks (Q8_0, Q5_0, Q4_0, Q4_K, Q6_K: every linear of the embedded Gemma 3 270M), the
 ``fp16`` and ``onednn+fp16`` layouts give the calls of at most `NARROW_ROWS` rows to those
-blocks instead (`Q8_0NarrowLinear`, `kernels.q8_0`): the file's own values at 1.125 to 1.25
+blocks instead (`Q8_0NarrowLinear`, `kernels.q8_0`): the file's own values at 1.0625 to 1.25
 bytes a weight, activations rounded to 16 bits, where the fp16 copy reads 2 bytes of
 rounded weights. Wider calls keep the layout's own weight (fbgemm's fp16 for an fp32
 model, oneDNN's bf16 for a bf16 one, which then makes no fp16 copy of those linears). A
@@ -259,7 +259,7 @@ class NarrowFp16Linear(_NarrowOverWide):
 class Q8_0NarrowLinear(_NarrowOverWide):
     """A decoder linear whose weight its GGUF stores in blocks read as int8 blocks
     (`kernels.gguf_blocks`): calls of at most `NARROW_ROWS` rows multiply those blocks
-    (`kernels.q8_0`: the file's own values, 1.125 to 1.375 bytes a weight), wider ones `wide`, the
+    (`kernels.q8_0`: the file's own values, 1.0625 to 1.375 bytes a weight), wider ones `wide`, the
     layout's own packed weight (`OneDnnLinear` for a bf16 model, `Fp16Linear` for an fp32
     one). The blocks take the calls an fp16 copy would, so a bf16 model makes none."""
 

@@ -18,8 +18,8 @@ Backends (all take a contiguous [N, H] input in the weight's dtype):
   picked by ``auto`` or ``calibrate``). A plan that names it may pair it with ``onednn``
   only, whose copy then holds the same values (fp16-rounded ones for an fp32 weight): a
   row's logits keep one precision whatever the batch it rides in.
-- ``q8_0``: a GGUF's own Q8_0 blocks of the weight (`kernels.q8_0`: int8 values and a
-  scale per 32, 1.125 bytes a weight, through a C kernel with int16 activations). Given
+- ``q8_0``: a GGUF's own Q8_0 blocks of the weight (`kernels.q8_0`: int8 values and an
+  fp16 scale per 32, 1.0625 bytes a weight, through a C kernel with int16 activations). Given
   the blocks beside a plan naming ``fp16``, it takes every call the fp16 copy would, on a
   machine where the kernel builds with AVX2 or wider (a fixed rule: the same logits every
   start). An fp32 model's head then is the blocks' exact values narrow and wide (its oneDNN

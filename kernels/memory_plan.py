@@ -41,7 +41,7 @@ from kernels.quant_layout import AS_STORED, INT4_BLOCK_TYPES, INT4_GROUP, INT4_R
 
 GIB = 1 << 30
 # a weight held as packed int8 blocks (kernels.gguf_blocks), at most: int8, two fp32 scales
-# and a minimum per 32 (a stacked projection mixing Q6_K's and Q4_K's kinds); Q8_0's 1.125
+# and a minimum per 32 (a stacked projection mixing Q6_K's and Q4_K's kinds); Q8_0's 1.0625
 Q8_0_BYTES = 1 + 8 / 32 + 4 / 32
 Q8_0_WIDENED = ("Q8_0", "Q5_0", "Q4_0", "Q4_K", "Q6_K")  # GGUF types read as such blocks
 LOW_HEADROOM_SHARE = 0.05  # a plan leaving less than this share of memory free is warned of

@@ -1,10 +1,10 @@
 """Products with weights held as Q8_0 blocks: a GGUF's own, read at the bytes they need.
 
-Q8_0 holds a weight as blocks of 32 int8 values and one scale (fp16 in the file, fp32 here):
-1.125 bytes a weight, against 2 for an fp16 copy. A decode step reads every weight once, so
-the fewer bytes are the point. `kernels.gguf_blocks` finds a model's blocks: the embedded
-Gemma 3 270M's tied head (Q8_0, read where the file keeps it) and its linears (Q5_0 and
-Q8_0 widened to int8; Q4_K and Q6_K as int8 with a minimum per 32 or a scale per 16, the
+Q8_0 holds a weight as blocks of 32 int8 values and one scale (fp16 in the file and in the
+packed tiles): 1.0625 bytes a weight, against 2 for an fp16 copy. A decode step reads every
+weight once, so the fewer bytes are the point. `kernels.gguf_blocks` finds a model's blocks:
+the embedded Gemma 3 270M's tied head (Q8_0, read where the file keeps it) and its linears
+(Q5_0 and Q8_0 widened to int8; Q4_K and Q6_K as int8 with a minimum per 32 or a scale per 16, the
 two kinds beyond Q8_0's the kernel takes); `Q8_0Weight` holds them and packs them once.
 
 The product is a small C kernel (`csrc/q8_0_gemv.c`: AVX-512 with or without VNNI, AVX2 or
@@ -115,16 +115,21 @@ class Q8_0Weight:
     def packed(self, lib: ctypes.CDLL | None = None, rows: int | None = None) -> Q8_0Packed:
         """Its first `rows` rows (default: all) in the kernel's tiled layout
         (`csrc/q8_0_gemv.c`; `lib`: a build other than this process's own), padded with
-        zero rows to whole tiles. Reads the values where they lie: no other copy."""
+        zero rows to whole tiles. Reads the values where they lie: no other copy. The
+        scales are packed as fp16 where every one is an fp16 value (a GGUF's Q8_0, Q5_0 and
+        Q4_0 blocks: the file's own) and a block has one and no minimum: a step reads two
+        bytes a scale instead of four, the same values."""
         lib = _library_or_raise(lib)
         v, h = self.shape
         rows = v if rows is None else min(rows, v)
         padded = -(-rows // TILE) * TILE
         n = self.subblocks
-        pq = torch.empty(padded, h, dtype=torch.int8)  # the tiles' bytes: [padded rows, H]
-        ps = torch.empty(padded * (h // BLOCK) * n, dtype=torch.float32)
-        pm = None if self.mins is None else torch.empty(padded * (h // BLOCK), dtype=torch.float32)
         scales = self.scales.contiguous()
+        if n == 1 and self.mins is None and torch.equal(scales.half().float(), scales):
+            scales = scales.half()
+        pq = torch.empty(padded, h, dtype=torch.int8)  # the tiles' bytes: [padded rows, H]
+        ps = torch.empty(padded * (h // BLOCK) * n, dtype=scales.dtype)
+        pm = None if self.mins is None else torch.empty(padded * (h // BLOCK), dtype=torch.float32)
         mins = None if self.mins is None else self.mins.contiguous()
         lib.q8_0_pack(
             self.q.data_ptr(),
@@ -132,6 +137,7 @@ class Q8_0Weight:
             self.q.stride(1),
             scales.data_ptr(),
             n,
+            scales.dtype == torch.float16,
             None if mins is None else mins.data_ptr(),
             rows,
             padded,
@@ -148,7 +154,7 @@ class Q8_0Packed:
     """Q8_0 blocks of a [rows, hidden] weight in the kernel's tiled layout."""
 
     q: Tensor  # int8 [whole tiles of 16 rows, hidden], in the tiles' byte order
-    scales: Tensor  # fp32
+    scales: Tensor  # fp32, or fp16 (one a block, no minimums: `Q8_0Weight.packed`)
     rows: int
     hidden: int
     lib: ctypes.CDLL  # the build that packed them (the layout is its own)
@@ -175,6 +181,7 @@ class Q8_0Packed:
             self.q.data_ptr(),
             self.scales.data_ptr(),
             self.subblocks,
+            self.scales.dtype == torch.float16,
             None if self.mins is None else self.mins.data_ptr(),
             padded,
             out.data_ptr(),
@@ -380,6 +387,7 @@ def load_library(path: Path) -> ctypes.CDLL:
         ctypes.c_void_p,  # packed q
         ctypes.c_void_p,  # packed scales
         ctypes.c_int,  # scales a block
+        ctypes.c_int,  # the scales are fp16
         ctypes.c_void_p,  # packed minimums, or NULL
         ctypes.c_int64,  # V (padded)
         ctypes.c_void_p,  # out
@@ -392,6 +400,7 @@ def load_library(path: Path) -> ctypes.CDLL:
         ctypes.c_int64,  # block stride
         ctypes.c_void_p,  # scales
         ctypes.c_int,  # scales a block
+        ctypes.c_int,  # the scales are fp16 (and so packed)
         ctypes.c_void_p,  # minimums, or NULL
         ctypes.c_int64,  # rows
         ctypes.c_int64,  # padded rows

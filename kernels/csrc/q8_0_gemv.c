@@ -3,7 +3,9 @@
  *
  * Q8_0 (one scale a block: nsub = 1, no mins) is a GGUF's Q8_0, Q5_0 and Q4_0 blocks; a scale
  * per 16 (nsub = 2) holds Q6_K's sub-blocks and a minimum per block Q4_K's, each exactly.
- * Weights stay the file's values (int8, fp32 scales and minimums), repacked once by
+ * Weights stay the file's values (int8; scales and minimums fp32, or the scales fp16 where
+ * the file's are (`half`: one a block, no minimums), so a step reads 2 bytes a scale, not
+ * 4; converted in registers, exactly), repacked once by
  * `q8_0_pack` into tiles of 16 rows so that one vector lane holds one row: per tile and
  * block g, 16 pairs p of columns (2p, 2p + 1), each 16 rows x 2 int8 (32 bytes), then the
  * tile's scales (nsub x 16) and minimums (16) of block g. A step's activations are quantized
@@ -32,6 +34,30 @@
 #define PAIRS (BLOCK / 2)
 #define TILE_BLOCK_BYTES (PAIRS * TILE * 2) /* 512 */
 
+/* An fp16 value's bits as a float (exact: every fp16 value is one). */
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu, bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13); /* inf, NaN */
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else { /* subnormal: man * 2^-24, normalized */
+    uint32_t e = 113u;
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      --e;
+    }
+    bits = sign | (e << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 /* The instruction set of this build: 3 AVX-512 VNNI, 2 AVX-512BW, 1 AVX2, 0 plain C. */
 int q8_0_isa(void) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -46,14 +72,14 @@ int q8_0_isa(void) {
 }
 
 /* Rows [0, rows) of a weight into the tiled layout, padded with zero rows to `padded` (a
- * multiple of 16): pq [padded * H] int8, ps [padded * H / 32 * nsub] fp32 and, with `m`, pm
- * [padded * H / 32] fp32. Block g of row r holds q[r * row_stride + g * block_stride + k]
- * (k < 32), so the values are read where they lie: row-major (H, 32) or in a GGUF's own
- * 34-byte Q8_0 records (34 * H / 32, 34); its scales are s[(r * H / 32 + g) * nsub + i] and
- * its minimum m[r * H / 32 + g]. */
-void q8_0_pack(const int8_t* q, int64_t row_stride, int64_t block_stride, const float* s,
-               int nsub, const float* m, int64_t rows, int64_t padded, int64_t H, int8_t* pq,
-               float* ps, float* pm) {
+ * multiple of 16): pq [padded * H] int8, ps [padded * H / 32 * nsub] fp32 (fp16 with `half`:
+ * then s is fp16 too) and, with `m`, pm [padded * H / 32] fp32. Block g of row r holds
+ * q[r * row_stride + g * block_stride + k] (k < 32), so the values are read where they lie:
+ * row-major (H, 32) or in a GGUF's own 34-byte Q8_0 records (34 * H / 32, 34); its scales
+ * are s[(r * H / 32 + g) * nsub + i] and its minimum m[r * H / 32 + g]. */
+void q8_0_pack(const int8_t* q, int64_t row_stride, int64_t block_stride, const void* s,
+               int nsub, int half, const float* m, int64_t rows, int64_t padded, int64_t H,
+               int8_t* pq, void* ps, float* pm) {
   const int64_t ng = H / BLOCK;
   for (int64_t t = 0; t < padded / TILE; ++t) {
     for (int64_t g = 0; g < ng; ++g) {
@@ -65,8 +91,13 @@ void q8_0_pack(const int8_t* q, int64_t row_stride, int64_t block_stride, const 
           dst[p * 2 * TILE + 2 * j] = src ? src[2 * p] : 0;
           dst[p * 2 * TILE + 2 * j + 1] = src ? src[2 * p + 1] : 0;
         }
-        for (int i = 0; i < nsub; ++i)
-          ps[((t * ng + g) * nsub + i) * TILE + j] = r < rows ? s[(r * ng + g) * nsub + i] : 0.0f;
+        for (int i = 0; i < nsub; ++i) {
+          const int64_t to = ((t * ng + g) * nsub + i) * TILE + j, from = (r * ng + g) * nsub + i;
+          if (half)
+            ((uint16_t*)ps)[to] = r < rows ? ((const uint16_t*)s)[from] : 0;
+          else
+            ((float*)ps)[to] = r < rows ? ((const float*)s)[from] : 0.0f;
+        }
         if (m) pm[(t * ng + g) * TILE + j] = r < rows ? m[r * ng + g] : 0.0f;
       }
     }
@@ -107,18 +138,20 @@ static inline int32_t column_pair(const int16_t* block, int p) {
 }
 
 /* One tile, activation rows [0, nb) of x16 (row stride H): out[b * V + 16 rows]. `sc`: the
- * tile's scales (nsub x 16 a block), `mn`: its minimums (16 a block) or NULL. Inlined with
- * constant `nsub` and `mn` presence, so each kind of block gets loops of its own. */
+ * tile's scales (nsub x 16 a block; fp16 with `half`, else fp32), `mn`: its minimums (16 a
+ * block) or NULL. Inlined with constant `nsub`, `half` and `mn` presence, so each kind of
+ * block gets loops of its own. */
 #if defined(__AVX512BW__)
 #define ROWS_PER_PASS 4
 static inline __attribute__((always_inline)) void tile_kernel(
-    const int8_t* w, const float* sc, const int nsub, const float* mn, const int16_t* x16,
-    const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
+    const int8_t* w, const void* sc, const int nsub, const int half, const float* mn,
+    const int16_t* x16, const float* xs, const float* xsum, int64_t H, int64_t V, int nb,
+    float* out) {
   const int64_t ng = H / BLOCK;
   const int per = PAIRS / nsub;
   __m512 acc[ROWS_PER_PASS];
   for (int b = 0; b < nb; ++b) acc[b] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES, sc += nsub * TILE) {
+  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES) {
     for (int i = 0; i < nsub; ++i) {
       __m512i dot[ROWS_PER_PASS];
       for (int b = 0; b < nb; ++b) dot[b] = _mm512_setzero_si512();
@@ -133,7 +166,10 @@ static inline __attribute__((always_inline)) void tile_kernel(
 #endif
         }
       }
-      const __m512 sv = _mm512_loadu_ps(sc + i * TILE);
+      const int64_t so = (g * nsub + i) * TILE;
+      const __m512 sv =
+          half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc + so)))
+               : _mm512_loadu_ps((const float*)sc + so);
       for (int b = 0; b < nb; ++b) {
         const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(xs[b * ng + g]));
         acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), scale, acc[b]);
@@ -149,14 +185,28 @@ static inline __attribute__((always_inline)) void tile_kernel(
 }
 #elif defined(__AVX2__)
 #define ROWS_PER_PASS 2
+/* Eight scales from so on, fp32 or fp16. */
+static inline __attribute__((always_inline)) __m256 load_scales8(const void* sc, int64_t so,
+                                                                  const int half) {
+  if (!half) return _mm256_loadu_ps((const float*)sc + so);
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)sc + so)));
+#else
+  float f[8];
+  for (int j = 0; j < 8; ++j) f[j] = half_to_float(((const uint16_t*)sc)[so + j]);
+  return _mm256_loadu_ps(f);
+#endif
+}
+
 static inline __attribute__((always_inline)) void tile_kernel(
-    const int8_t* w, const float* sc, const int nsub, const float* mn, const int16_t* x16,
-    const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
+    const int8_t* w, const void* sc, const int nsub, const int half, const float* mn,
+    const int16_t* x16, const float* xs, const float* xsum, int64_t H, int64_t V, int nb,
+    float* out) {
   const int64_t ng = H / BLOCK;
   const int per = PAIRS / nsub;
   __m256 acc[ROWS_PER_PASS][2];
   for (int b = 0; b < nb; ++b) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES, sc += nsub * TILE) {
+  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES) {
     for (int i = 0; i < nsub; ++i) {
       __m256i dot[ROWS_PER_PASS][2];
       for (int b = 0; b < nb; ++b) dot[b][0] = dot[b][1] = _mm256_setzero_si256();
@@ -173,7 +223,8 @@ static inline __attribute__((always_inline)) void tile_kernel(
       for (int b = 0; b < nb; ++b) {
         const __m256 xsv = _mm256_set1_ps(xs[b * ng + g]);
         for (int h = 0; h < 2; ++h) {
-          const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(sc + i * TILE + 8 * h), xsv);
+          const __m256 scale =
+              _mm256_mul_ps(load_scales8(sc, (g * nsub + i) * TILE + 8 * h, half), xsv);
           acc[b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[b][h]), scale, acc[b][h]);
         }
       }
@@ -193,23 +244,28 @@ static inline __attribute__((always_inline)) void tile_kernel(
 }
 #else
 #define ROWS_PER_PASS 1
-static inline void tile_kernel(const int8_t* w, const float* sc, const int nsub, const float* mn,
-                               const int16_t* x16, const float* xs, const float* xsum, int64_t H,
-                               int64_t V, int nb, float* out) {
+static inline void tile_kernel(const int8_t* w, const void* sc, const int nsub, const int half,
+                               const float* mn, const int16_t* x16, const float* xs,
+                               const float* xsum, int64_t H, int64_t V, int nb, float* out) {
   const int64_t ng = H / BLOCK;
   const int per = PAIRS / nsub;
   (void)nb; /* one row a pass */
   (void)V;
   float acc[TILE] = {0};
-  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES, sc += nsub * TILE) {
+  for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES) {
     for (int i = 0; i < nsub; ++i) {
+      const int64_t so = (g * nsub + i) * TILE;
       int32_t dot[TILE] = {0};
       for (int p = i * per; p < (i + 1) * per; ++p) {
         const int16_t x0 = x16[g * BLOCK + 2 * p], x1 = x16[g * BLOCK + 2 * p + 1];
         for (int j = 0; j < TILE; ++j)
           dot[j] += (int32_t)w[p * 2 * TILE + 2 * j] * x0 + (int32_t)w[p * 2 * TILE + 2 * j + 1] * x1;
       }
-      for (int j = 0; j < TILE; ++j) acc[j] += (float)dot[j] * (sc[i * TILE + j] * xs[g]);
+      for (int j = 0; j < TILE; ++j) {
+        const float scale = half ? half_to_float(((const uint16_t*)sc)[so + j])
+                                 : ((const float*)sc)[so + j];
+        acc[j] += (float)dot[j] * (scale * xs[g]);
+      }
     }
     if (mn)
       for (int j = 0; j < TILE; ++j) acc[j] -= mn[g * TILE + j] * xsum[g];
@@ -218,34 +274,43 @@ static inline void tile_kernel(const int8_t* w, const float* sc, const int nsub,
 }
 #endif
 
-/* The kinds of blocks, each with its own loops: Q8_0's; a scale per 16 (Q6_K); minimums
- * (Q4_K); both. */
-static void tile_q8_0(const int8_t* w, const float* sc, const float* mn, const int16_t* x16,
+/* The kinds of blocks, each with its own loops: Q8_0's (fp32 or fp16 scales); a scale per 16
+ * (Q6_K); minimums (Q4_K); both. */
+typedef void (*tile_fn)(const int8_t*, const void*, const float*, const int16_t*, const float*,
+                        const float*, int64_t, int64_t, int, float*);
+static void tile_q8_0(const int8_t* w, const void* sc, const float* mn, const int16_t* x16,
                       const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
   (void)mn;
-  tile_kernel(w, sc, 1, NULL, x16, xs, xsum, H, V, nb, out);
+  tile_kernel(w, sc, 1, 0, NULL, x16, xs, xsum, H, V, nb, out);
 }
-static void tile_sub16(const int8_t* w, const float* sc, const float* mn, const int16_t* x16,
+static void tile_q8_0_half(const int8_t* w, const void* sc, const float* mn, const int16_t* x16,
+                           const float* xs, const float* xsum, int64_t H, int64_t V, int nb,
+                           float* out) {
+  (void)mn;
+  tile_kernel(w, sc, 1, 1, NULL, x16, xs, xsum, H, V, nb, out);
+}
+static void tile_sub16(const int8_t* w, const void* sc, const float* mn, const int16_t* x16,
                        const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
   (void)mn;
-  tile_kernel(w, sc, 2, NULL, x16, xs, xsum, H, V, nb, out);
+  tile_kernel(w, sc, 2, 0, NULL, x16, xs, xsum, H, V, nb, out);
 }
-static void tile_mins(const int8_t* w, const float* sc, const float* mn, const int16_t* x16,
+static void tile_mins(const int8_t* w, const void* sc, const float* mn, const int16_t* x16,
                       const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
-  tile_kernel(w, sc, 1, mn, x16, xs, xsum, H, V, nb, out);
+  tile_kernel(w, sc, 1, 0, mn, x16, xs, xsum, H, V, nb, out);
 }
-static void tile_sub16_mins(const int8_t* w, const float* sc, const float* mn, const int16_t* x16,
+static void tile_sub16_mins(const int8_t* w, const void* sc, const float* mn, const int16_t* x16,
                             const float* xs, const float* xsum, int64_t H, int64_t V, int nb,
                             float* out) {
-  tile_kernel(w, sc, 2, mn, x16, xs, xsum, H, V, nb, out);
+  tile_kernel(w, sc, 2, 0, mn, x16, xs, xsum, H, V, nb, out);
 }
 
 /* Returns 0, or -1 when the scratch memory cannot be had (nothing written), -2 for an nsub
- * other than 1 or 2. `threads`: the caller's torch thread count (an OpenMP runtime other
- * than torch's would not know it). `pm`: the packed minimums, or NULL. */
-int q8_0_gemv(const float* x, int64_t B, int64_t H, const int8_t* pq, const float* ps, int nsub,
-              const float* pm, int64_t V, float* out, int threads) {
-  if (nsub != 1 && nsub != 2) return -2;
+ * other than 1 or 2, or fp16 scales (`half`) with sub-blocks or minimums. `threads`: the
+ * caller's torch thread count (an OpenMP runtime other than torch's would not know it).
+ * `pm`: the packed minimums, or NULL. */
+int q8_0_gemv(const float* x, int64_t B, int64_t H, const int8_t* pq, const void* ps, int nsub,
+              int half, const float* pm, int64_t V, float* out, int threads) {
+  if ((nsub != 1 && nsub != 2) || (half && (nsub != 1 || pm))) return -2;
   if (B <= 0 || V <= 0) return 0;
   const int64_t ng = H / BLOCK;
   int16_t* x16 = (int16_t*)malloc((size_t)(B * H) * sizeof(int16_t));
@@ -258,14 +323,16 @@ int q8_0_gemv(const float* x, int64_t B, int64_t H, const int8_t* pq, const floa
     return -1;
   }
   quantize_rows(x, B, H, x16, xs, xsum);
-  void (*tile)(const int8_t*, const float*, const float*, const int16_t*, const float*,
-               const float*, int64_t, int64_t, int, float*) =
-      nsub == 1 ? (pm ? tile_mins : tile_q8_0) : (pm ? tile_sub16_mins : tile_sub16);
+  const tile_fn tile = half ? tile_q8_0_half
+                       : nsub == 1 ? (pm ? tile_mins : tile_q8_0)
+                                   : (pm ? tile_sub16_mins : tile_sub16);
+  const int64_t scale_bytes = half ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < V / TILE; ++t) {
     for (int64_t b = 0; b < B; b += ROWS_PER_PASS) {
       const int nb = (int)(B - b < ROWS_PER_PASS ? B - b : ROWS_PER_PASS);
-      tile(pq + t * ng * TILE_BLOCK_BYTES, ps + t * ng * nsub * TILE, pm ? pm + t * ng * TILE : NULL,
+      tile(pq + t * ng * TILE_BLOCK_BYTES, (const char*)ps + t * ng * nsub * TILE * scale_bytes,
+           pm ? pm + t * ng * TILE : NULL,
            x16 + b * H, xs + b * ng, xsum + b * ng, H, V, nb, out + b * V + t * TILE);
     }
   }

@@ -11,8 +11,8 @@
 
 #include <optional>
 
-extern "C" int q8_0_gemv(const float* x, int64_t B, int64_t H, const int8_t* pq, const float* ps,
-                         int nsub, const float* pm, int64_t V, float* out, int threads);
+extern "C" int q8_0_gemv(const float* x, int64_t B, int64_t H, const int8_t* pq, const void* ps,
+                         int nsub, int half, const float* pm, int64_t V, float* out, int threads);
 
 static void check_packed(const at::Tensor& t, at::ScalarType dtype, const char* what) {
   TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu(),
@@ -26,7 +26,9 @@ static at::Tensor q8_0_linear(const at::Tensor& rows, const at::Tensor& q,
   TORCH_CHECK_VALUE(rows.dim() == 2 && rows.device().is_cpu(),
                     "q8_0_linear: rows must be a 2-D CPU tensor");
   check_packed(q, at::kChar, "q");
-  check_packed(scales, at::kFloat, "scales");
+  // fp16 scales: one a block and no minimums (the kernel's `half`)
+  const bool half = scales.scalar_type() == at::kHalf && subblocks == 1 && !mins;
+  check_packed(scales, half ? at::kHalf : at::kFloat, "scales");
   if (mins) check_packed(*mins, at::kFloat, "mins");
   const at::Tensor x = rows.to(at::kFloat).contiguous();
   const int64_t n = x.size(0), h = x.size(1);
@@ -44,7 +46,7 @@ static at::Tensor q8_0_linear(const at::Tensor& rows, const at::Tensor& q,
                     "q8_0_linear: the bias must be a CPU vector of ", out_features);
   at::Tensor out = at::empty({n, padded}, x.options());
   const int failed = q8_0_gemv(x.data_ptr<float>(), n, h, q.data_ptr<int8_t>(),
-                               scales.data_ptr<float>(), static_cast<int>(subblocks),
+                               scales.data_ptr(), static_cast<int>(subblocks), half ? 1 : 0,
                                mins ? mins->data_ptr<float>() : nullptr, padded,
                                out.data_ptr<float>(), at::get_num_threads());
   TORCH_CHECK(failed != -1, "the Q8_0 kernel's scratch memory could not be allocated");

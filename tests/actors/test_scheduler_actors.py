@@ -220,8 +220,11 @@ def test_lpm_prefers_cached_prefixes():
             # Occupy the only running slot, then queue a cold and a warm request.
             await h.submit({2: [9] * 10}, GenerationParams(max_tokens=30, ignore_eos=True))
             await anyio.sleep(0.02)
-            await h.submit({3: [7, 7, 7, 7, 7, 7]}, GenerationParams(max_tokens=2, ignore_eos=True))
-            await h.submit({4: shared + [2]}, GenerationParams(max_tokens=2, ignore_eos=True))
+            # One message: both wait together (cold first), however soon request 2 ends.
+            await h.submit(
+                {3: [7, 7, 7, 7, 7, 7], 4: shared + [2]},
+                GenerationParams(max_tokens=2, ignore_eos=True),
+            )
             await h.wait_done([2, 3, 4])
             await h.assert_idle_balanced()
             first_seen = {

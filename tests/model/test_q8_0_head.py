@@ -10,6 +10,7 @@ embedded model's head: its logits as close to the exact path's as the fp16 copy'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -120,6 +121,27 @@ def test_every_build_computes_the_promised_product(build, vocab, hidden, kind, t
         per_value = largest.expand(n, hidden // BLOCK, BLOCK).reshape(n, hidden) * 2.0**-16
         slack = F.linear(per_value, weight.dequantized().abs().double()) + bound
         assert ((out.double() - exact).abs() <= slack).all()
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_fp16_scales_pack_as_fp16_and_compute_as_their_fp32_values(build, tmp_path_factory):
+    """One scale a block, no minimums, every scale an fp16 value (a GGUF's Q8_0, Q5_0 and
+    Q4_0 blocks; subnormal, zero and near-largest ones here): packed as fp16, with the very
+    product of the same scales packed as fp32. Other scales and kinds stay fp32."""
+    lib = _build(build, tmp_path_factory)
+    generator = torch.Generator().manual_seed(5)
+    weight = Q8_0Weight.quantize(torch.randn(40, 96, generator=generator) * 0.05)
+    scales = weight.scales.clone()
+    scales[0, 0], scales[1, 1], scales[2, 2], scales[3, 0] = 2.0**-20, 2.0**-24, 0.0, 60000.0
+    packed = Q8_0Weight(weight.q, scales).packed(lib)
+    assert packed.scales.dtype == torch.float16
+    as_fp32 = dataclasses.replace(packed, scales=packed.scales.float())
+    for n in (1, 2, 5):
+        x = torch.randn(n, 96, generator=generator)
+        assert torch.equal(packed.product(x), as_fp32.product(x))
+    assert Q8_0Weight(weight.q, scales * 1.0001).packed(lib).scales.dtype == torch.float32
+    for kind in ("sub16", "mins", "both"):
+        assert _weight(kind, 40, 96, generator).packed(lib).scales.dtype == torch.float32
 
 
 def test_a_bf16_input_and_a_zero_input(tmp_path_factory):
@@ -305,8 +327,8 @@ def test_the_operator_computes_what_the_ctypes_path_does(kind, monkeypatch):
             torch.randn(1, 96), packed.q, packed.scales.double(), packed.mins, None, 40, n
         )
     with pytest.raises(ValueError, match="5 minimums for 144 blocks"):
-        torch.ops.kvactor.q8_0_linear(
-            torch.randn(1, 96), packed.q, packed.scales, torch.zeros(5), None, 40, n
+        torch.ops.kvactor.q8_0_linear(  # (fp16 scales are for blocks without minimums)
+            torch.randn(1, 96), packed.q, packed.scales.float(), torch.zeros(5), None, 40, n
         )
     with pytest.raises(ValueError, match="the bias must be a CPU vector of 40"):
         packed.linear(torch.randn(1, 96), torch.zeros(1))
