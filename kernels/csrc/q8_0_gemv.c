@@ -139,40 +139,49 @@ static inline int32_t column_pair(const int16_t* block, int p) {
 
 /* One tile, activation rows [0, nb) of x16 (row stride H): out[b * V + 16 rows]. `sc`: the
  * tile's scales (nsub x 16 a block; fp16 with `half`, else fp32), `mn`: its minimums (16 a
- * block) or NULL. Inlined with constant `nsub`, `half` and `mn` presence, so each kind of
- * block gets loops of its own. */
+ * block) or NULL. Inlined with constant `nb`, `nsub`, `half` and `mn` presence, so each
+ * kind of block and row count gets loops of its own, its sums in registers.
+ * A pass of few rows sums a block in several independent registers a row (chains): each
+ * multiply-add waits for the one before it into the same register, so one row in one
+ * register would wait on the instruction's latency instead of issuing at its throughput. */
 #if defined(__AVX512BW__)
 #define ROWS_PER_PASS 4
+#define CHAINS(nb) ((nb) == 1 ? 4 : (nb) == 2 ? 2 : 1)
 static inline __attribute__((always_inline)) void tile_kernel(
     const int8_t* w, const void* sc, const int nsub, const int half, const float* mn,
-    const int16_t* x16, const float* xs, const float* xsum, int64_t H, int64_t V, int nb,
+    const int16_t* x16, const float* xs, const float* xsum, int64_t H, int64_t V, const int nb,
     float* out) {
   const int64_t ng = H / BLOCK;
   const int per = PAIRS / nsub;
+  const int chains = CHAINS(nb);
   __m512 acc[ROWS_PER_PASS];
   for (int b = 0; b < nb; ++b) acc[b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES) {
     for (int i = 0; i < nsub; ++i) {
-      __m512i dot[ROWS_PER_PASS];
-      for (int b = 0; b < nb; ++b) dot[b] = _mm512_setzero_si512();
+      __m512i dot[ROWS_PER_PASS][4];
+      for (int b = 0; b < nb; ++b)
+        for (int c = 0; c < chains; ++c) dot[b][c] = _mm512_setzero_si512();
       for (int p = i * per; p < (i + 1) * per; ++p) {
         const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + p * 2 * TILE)));
+        const int c = p % chains;
         for (int b = 0; b < nb; ++b) {
           const __m512i xv = _mm512_set1_epi32(column_pair(x16 + b * H + g * BLOCK, p));
 #if defined(__AVX512VNNI__)
-          dot[b] = _mm512_dpwssd_epi32(dot[b], wv, xv);
+          dot[b][c] = _mm512_dpwssd_epi32(dot[b][c], wv, xv);
 #else
-          dot[b] = _mm512_add_epi32(dot[b], _mm512_madd_epi16(wv, xv));
+          dot[b][c] = _mm512_add_epi32(dot[b][c], _mm512_madd_epi16(wv, xv));
 #endif
         }
       }
+      for (int b = 0; b < nb; ++b)
+        for (int c = 1; c < chains; ++c) dot[b][0] = _mm512_add_epi32(dot[b][0], dot[b][c]);
       const int64_t so = (g * nsub + i) * TILE;
       const __m512 sv =
           half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)sc + so)))
                : _mm512_loadu_ps((const float*)sc + so);
       for (int b = 0; b < nb; ++b) {
         const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(xs[b * ng + g]));
-        acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), scale, acc[b]);
+        acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b][0]), scale, acc[b]);
       }
     }
     if (mn) {
@@ -200,32 +209,38 @@ static inline __attribute__((always_inline)) __m256 load_scales8(const void* sc,
 
 static inline __attribute__((always_inline)) void tile_kernel(
     const int8_t* w, const void* sc, const int nsub, const int half, const float* mn,
-    const int16_t* x16, const float* xs, const float* xsum, int64_t H, int64_t V, int nb,
+    const int16_t* x16, const float* xs, const float* xsum, int64_t H, int64_t V, const int nb,
     float* out) {
   const int64_t ng = H / BLOCK;
   const int per = PAIRS / nsub;
+  const int chains = nb == 1 ? 2 : 1; /* with the two halves' own: 4 for one row, 2 a row */
   __m256 acc[ROWS_PER_PASS][2];
   for (int b = 0; b < nb; ++b) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g, w += TILE_BLOCK_BYTES) {
     for (int i = 0; i < nsub; ++i) {
-      __m256i dot[ROWS_PER_PASS][2];
-      for (int b = 0; b < nb; ++b) dot[b][0] = dot[b][1] = _mm256_setzero_si256();
+      __m256i dot[ROWS_PER_PASS][2][2];
+      for (int b = 0; b < nb; ++b)
+        for (int c = 0; c < chains; ++c) dot[b][0][c] = dot[b][1][c] = _mm256_setzero_si256();
       for (int p = i * per; p < (i + 1) * per; ++p) {
         const int8_t* wp = w + p * 2 * TILE;
         const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)wp));  /* rows 0-7 */
         const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wp + 16)));
+        const int c = p % chains;
         for (int b = 0; b < nb; ++b) {
           const __m256i xv = _mm256_set1_epi32(column_pair(x16 + b * H + g * BLOCK, p));
-          dot[b][0] = _mm256_add_epi32(dot[b][0], _mm256_madd_epi16(lo, xv));
-          dot[b][1] = _mm256_add_epi32(dot[b][1], _mm256_madd_epi16(hi, xv));
+          dot[b][0][c] = _mm256_add_epi32(dot[b][0][c], _mm256_madd_epi16(lo, xv));
+          dot[b][1][c] = _mm256_add_epi32(dot[b][1][c], _mm256_madd_epi16(hi, xv));
         }
       }
+      for (int b = 0; b < nb; ++b)
+        for (int c = 1; c < chains; ++c)
+          for (int h = 0; h < 2; ++h) dot[b][h][0] = _mm256_add_epi32(dot[b][h][0], dot[b][h][c]);
       for (int b = 0; b < nb; ++b) {
         const __m256 xsv = _mm256_set1_ps(xs[b * ng + g]);
         for (int h = 0; h < 2; ++h) {
           const __m256 scale =
               _mm256_mul_ps(load_scales8(sc, (g * nsub + i) * TILE + 8 * h, half), xsv);
-          acc[b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[b][h]), scale, acc[b][h]);
+          acc[b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[b][h][0]), scale, acc[b][h]);
         }
       }
     }
@@ -246,7 +261,7 @@ static inline __attribute__((always_inline)) void tile_kernel(
 #define ROWS_PER_PASS 1
 static inline void tile_kernel(const int8_t* w, const void* sc, const int nsub, const int half,
                                const float* mn, const int16_t* x16, const float* xs,
-                               const float* xsum, int64_t H, int64_t V, int nb, float* out) {
+                               const float* xsum, int64_t H, int64_t V, const int nb, float* out) {
   const int64_t ng = H / BLOCK;
   const int per = PAIRS / nsub;
   (void)nb; /* one row a pass */
@@ -275,34 +290,45 @@ static inline void tile_kernel(const int8_t* w, const void* sc, const int nsub, 
 #endif
 
 /* The kinds of blocks, each with its own loops: Q8_0's (fp32 or fp16 scales); a scale per 16
- * (Q6_K); minimums (Q4_K); both. */
+ * (Q6_K); minimums (Q4_K); both. Each for every row count of a pass. */
 typedef void (*tile_fn)(const int8_t*, const void*, const float*, const int16_t*, const float*,
                         const float*, int64_t, int64_t, int, float*);
-static void tile_q8_0(const int8_t* w, const void* sc, const float* mn, const int16_t* x16,
-                      const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
-  (void)mn;
-  tile_kernel(w, sc, 1, 0, NULL, x16, xs, xsum, H, V, nb, out);
-}
-static void tile_q8_0_half(const int8_t* w, const void* sc, const float* mn, const int16_t* x16,
-                           const float* xs, const float* xsum, int64_t H, int64_t V, int nb,
-                           float* out) {
-  (void)mn;
-  tile_kernel(w, sc, 1, 1, NULL, x16, xs, xsum, H, V, nb, out);
-}
-static void tile_sub16(const int8_t* w, const void* sc, const float* mn, const int16_t* x16,
-                       const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
-  (void)mn;
-  tile_kernel(w, sc, 2, 0, NULL, x16, xs, xsum, H, V, nb, out);
-}
-static void tile_mins(const int8_t* w, const void* sc, const float* mn, const int16_t* x16,
-                      const float* xs, const float* xsum, int64_t H, int64_t V, int nb, float* out) {
-  tile_kernel(w, sc, 1, 0, mn, x16, xs, xsum, H, V, nb, out);
-}
-static void tile_sub16_mins(const int8_t* w, const void* sc, const float* mn, const int16_t* x16,
-                            const float* xs, const float* xsum, int64_t H, int64_t V, int nb,
-                            float* out) {
-  tile_kernel(w, sc, 2, 0, mn, x16, xs, xsum, H, V, nb, out);
-}
+#if ROWS_PER_PASS >= 4
+#define ROWS_3_4(NSUB, HALF, MN)                                          \
+  case 3:                                                                 \
+    tile_kernel(w, sc, NSUB, HALF, MN, x16, xs, xsum, H, V, 3, out);      \
+    break;                                                                \
+  case 4:                                                                 \
+    tile_kernel(w, sc, NSUB, HALF, MN, x16, xs, xsum, H, V, 4, out);      \
+    break;
+#else
+#define ROWS_3_4(NSUB, HALF, MN)
+#endif
+#if ROWS_PER_PASS >= 2
+#define ROWS_2(NSUB, HALF, MN)                                            \
+  case 2:                                                                 \
+    tile_kernel(w, sc, NSUB, HALF, MN, x16, xs, xsum, H, V, 2, out);      \
+    break;
+#else
+#define ROWS_2(NSUB, HALF, MN)
+#endif
+#define TILE_FN(NAME, NSUB, HALF, MINS)                                                       \
+  static void NAME(const int8_t* w, const void* sc, const float* mn, const int16_t* x16,     \
+                   const float* xs, const float* xsum, int64_t H, int64_t V, int nb,          \
+                   float* out) {                                                              \
+    (void)mn;                                                                                 \
+    switch (nb) {                                                                             \
+      ROWS_3_4(NSUB, HALF, MINS ? mn : NULL)                                                  \
+      ROWS_2(NSUB, HALF, MINS ? mn : NULL)                                                    \
+      default:                                                                                \
+        tile_kernel(w, sc, NSUB, HALF, MINS ? mn : NULL, x16, xs, xsum, H, V, 1, out);        \
+    }                                                                                         \
+  }
+TILE_FN(tile_q8_0, 1, 0, 0)
+TILE_FN(tile_q8_0_half, 1, 1, 0)
+TILE_FN(tile_sub16, 2, 0, 0)
+TILE_FN(tile_mins, 1, 0, 1)
+TILE_FN(tile_sub16_mins, 2, 0, 1)
 
 /* Returns 0, or -1 when the scratch memory cannot be had (nothing written), -2 for an nsub
  * other than 1 or 2, or fp16 scales (`half`) with sub-blocks or minimums. `threads`: the
