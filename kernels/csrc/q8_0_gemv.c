@@ -104,28 +104,92 @@ void q8_0_pack(const int8_t* q, int64_t row_stride, int64_t block_stride, const 
   }
 }
 
+/* One block of 32 activations: dst[k] = rint(src[k] * (32767 / m)), m the block's largest
+ * |value|; returns the sum of dst and sets *scale = m / 32767. A block holding a NaN or an
+ * infinity quantizes to zeros with a NaN scale (NaN logits out). The vector paths do the
+ * scalar one's float operations in its order and round as lrintf does (to nearest even,
+ * the default mode): the same values. */
+static inline int32_t quantize_block(const float* src, int16_t* dst, float* scale) {
+  float m;
+  int finite;
+#if defined(__AVX512F__)
+  const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+  const __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
+  const __m512 inf = _mm512_set1_ps(INFINITY);
+  finite = (_mm512_cmp_ps_mask(alo, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(ahi, inf, _CMP_LT_OQ)) ==
+           0xFFFF;
+  m = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi));
+#elif defined(__AVX2__)
+  __m256 v[4], mx = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 inf = _mm256_set1_ps(INFINITY);
+  finite = 1;
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(src + 8 * j);
+    const __m256 a = _mm256_and_ps(v[j], magnitude);
+    finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ)) == 0xFF;
+    mx = _mm256_max_ps(mx, a);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  m = _mm_cvtss_f32(m4);
+#else
+  m = 0.0f;
+  finite = 1;
+  for (int k = 0; k < BLOCK; ++k) {
+    finite &= isfinite(src[k]) != 0;
+    m = fmaxf(m, fabsf(src[k]));
+  }
+#endif
+  if (!finite) {
+    memset(dst, 0, BLOCK * sizeof(int16_t));
+    *scale = NAN;
+    return 0;
+  }
+  const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+  *scale = m / 32767.0f;
+#if defined(__AVX512F__)
+  const __m512 iv = _mm512_set1_ps(inv);
+  const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, iv));
+  const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, iv));
+  _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(qlo));
+  _mm256_storeu_si256((__m256i*)(dst + 16), _mm512_cvtepi32_epi16(qhi));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#elif defined(__AVX2__)
+  const __m256 iv = _mm256_set1_ps(inv);
+  __m256i q[4], sum = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], iv));
+    sum = _mm256_add_epi32(sum, q[j]);
+  }
+  /* |q| <= 32767: the saturating pack is exact; it interleaves 128-bit lanes, hence 0xD8 */
+  for (int j = 0; j < 4; j += 2)
+    _mm256_storeu_si256((__m256i*)(dst + 8 * j),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[j], q[j + 1]), 0xD8));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
+#else
+  int32_t total = 0;
+  for (int k = 0; k < BLOCK; ++k) {
+    dst[k] = (int16_t)lrintf(src[k] * inv);
+    total += dst[k];
+  }
+  return total;
+#endif
+}
+
 /* x16 and xs as the header says; xsum[b, g] = xs * sum_k x16[b, 32g + k] (for minimums). */
 static void quantize_rows(const float* x, int64_t B, int64_t H, int16_t* x16, float* xs,
                           float* xsum) {
   const int64_t ng = H / BLOCK;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < ng; ++g) {
-      const float* src = x + b * H + g * BLOCK;
-      int16_t* dst = x16 + b * H + g * BLOCK;
-      float m = 0.0f;
-      int finite = 1;
-      for (int k = 0; k < BLOCK; ++k) {
-        finite &= isfinite(src[k]) != 0;
-        m = fmaxf(m, fabsf(src[k]));
-      }
-      const float inv = finite && m > 0.0f ? 32767.0f / m : 0.0f;
-      int32_t total = 0;
-      for (int k = 0; k < BLOCK; ++k) {
-        dst[k] = (int16_t)lrintf(src[k] * inv);
-        total += dst[k];
-      }
-      xs[b * ng + g] = finite ? m / 32767.0f : NAN; /* a NaN or inf in: NaN logits out */
-      xsum[b * ng + g] = xs[b * ng + g] * (float)total;
+      const int64_t at = b * ng + g;
+      const int32_t total = quantize_block(x + at * BLOCK, x16 + at * BLOCK, xs + at);
+      xsum[at] = xs[at] * (float)total;
     }
   }
 }
