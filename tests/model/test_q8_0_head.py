@@ -124,6 +124,24 @@ def test_every_build_computes_the_promised_product(build, vocab, hidden, kind, t
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
+def test_every_build_quantizes_the_activations_as_promised(build, tmp_path_factory):
+    """The activations' int16 values and scales exactly (vectorized or not): an identity
+    weight hands back each value's x16 * xs with one rounding, as numpy computes it."""
+    lib = _build(build, tmp_path_factory)
+    generator = torch.Generator().manual_seed(11)
+    h = 4 * BLOCK
+    q = torch.eye(h, dtype=torch.int8).view(h, h // BLOCK, BLOCK)
+    packed = Q8_0Weight(q, torch.ones(h, h // BLOCK)).packed(lib)
+    for scale in (1e-6, 1.0, 1e5):
+        x = torch.randn(3, h, generator=generator) * scale
+        x[1, BLOCK : 2 * BLOCK] = 0  # a zero block
+        x[2, :BLOCK] = x[2, :BLOCK].round()  # integers, some halves of the 32767 steps
+        xq, xs = _int16_activations(x)
+        want = (xq.astype(np.float32) * np.repeat(xs, BLOCK, axis=1)).astype(np.float32)
+        assert np.array_equal(packed.product(x).numpy(), want), scale
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
 def test_fp16_scales_pack_as_fp16_and_compute_as_their_fp32_values(build, tmp_path_factory):
     """One scale a block, no minimums, every scale an fp16 value (a GGUF's Q8_0, Q5_0 and
     Q4_0 blocks; subnormal, zero and near-largest ones here): packed as fp16, with the very
