@@ -357,22 +357,17 @@ static inline void tile_kernel(const int8_t* w, const void* sc, const int nsub, 
  * (Q6_K); minimums (Q4_K); both. Each for every row count of a pass. */
 typedef void (*tile_fn)(const int8_t*, const void*, const float*, const int16_t*, const float*,
                         const float*, int64_t, int64_t, int, float*);
-#if ROWS_PER_PASS >= 4
-#define ROWS_3_4(NSUB, HALF, MN)                                          \
-  case 3:                                                                 \
-    tile_kernel(w, sc, NSUB, HALF, MN, x16, xs, xsum, H, V, 3, out);      \
-    break;                                                                \
-  case 4:                                                                 \
-    tile_kernel(w, sc, NSUB, HALF, MN, x16, xs, xsum, H, V, 4, out);      \
+#define ROWS_CASE(N, NSUB, HALF, MN)                                      \
+  case N:                                                                 \
+    tile_kernel(w, sc, NSUB, HALF, MN, x16, xs, xsum, H, V, N, out);      \
     break;
+#if ROWS_PER_PASS >= 4
+#define ROWS_3_4(NSUB, HALF, MN) ROWS_CASE(3, NSUB, HALF, MN) ROWS_CASE(4, NSUB, HALF, MN)
 #else
 #define ROWS_3_4(NSUB, HALF, MN)
 #endif
 #if ROWS_PER_PASS >= 2
-#define ROWS_2(NSUB, HALF, MN)                                            \
-  case 2:                                                                 \
-    tile_kernel(w, sc, NSUB, HALF, MN, x16, xs, xsum, H, V, 2, out);      \
-    break;
+#define ROWS_2(NSUB, HALF, MN) ROWS_CASE(2, NSUB, HALF, MN)
 #else
 #define ROWS_2(NSUB, HALF, MN)
 #endif
