@@ -128,7 +128,7 @@ def weight_bytes(
     oneDNN-packed copy of its weight (the CPU's `LmHead`; with "fp16" linears, of the
     fp16-rounded values in fp32, or of the exact ones where the head reads Q8_0 blocks in
     place of its fp16 copy: the same bytes). The head's blocks are counted as that fp16 copy
-    (2 bytes a weight against their 1.125): an upper bound."""
+    (2 bytes a weight against their 1.0625): an upper bound."""
     if quantization == AS_STORED:
         return _as_stored_bytes(config, dtype_bytes, activation_bytes)
     c, d = config, dtype_bytes

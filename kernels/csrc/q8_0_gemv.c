@@ -106,7 +106,8 @@ void q8_0_pack(const int8_t* q, int64_t row_stride, int64_t block_stride, const 
 
 /* One block of 32 activations: dst[k] = rint(src[k] * (32767 / m)), m the block's largest
  * |value|; returns the sum of dst and sets *scale = m / 32767. A block holding a NaN or an
- * infinity quantizes to zeros with a NaN scale (NaN logits out). The vector paths do the
+ * infinity quantizes to zeros with a NaN scale (NaN logits out); one so small that
+ * 32767 / m overflows, to zeros. The vector paths do the
  * scalar one's float operations in its order and round as lrintf does (to nearest even,
  * the default mode): the same values. */
 static inline int32_t quantize_block(const float* src, int16_t* dst, float* scale) {
@@ -149,6 +150,10 @@ static inline int32_t quantize_block(const float* src, int16_t* dst, float* scal
   }
   const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
   *scale = m / 32767.0f;
+  if (isinf(inv)) { /* m below ~1e-34: every value rounds to 0 (as the scalar loop's) */
+    memset(dst, 0, BLOCK * sizeof(int16_t));
+    return 0;
+  }
 #if defined(__AVX512F__)
   const __m512 iv = _mm512_set1_ps(inv);
   const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, iv));

@@ -86,9 +86,12 @@ def _promised(weight: Q8_0Weight, x: torch.Tensor) -> np.ndarray:
 
 
 def _weight(kind: str, vocab: int, hidden: int, generator) -> Q8_0Weight:
-    """Q8_0 blocks, or the K-quants' kinds: a scale per 16 (Q6_K), minimums (Q4_K), both."""
+    """Q8_0 blocks (fp16 scales, packed so; "fp32_scales": scales no fp16 holds, packed as
+    fp32), or the K-quants' kinds: a scale per 16 (Q6_K), minimums (Q4_K), both."""
     weight = Q8_0Weight.quantize(torch.randn(vocab, hidden, generator=generator) * 0.05)
     scales, mins = weight.scales, None
+    if kind == "fp32_scales":
+        scales = scales * 1.0001
     if kind in ("sub16", "both"):
         scales = torch.rand(vocab, hidden // BLOCK, 2, generator=generator) * 1e-3
     if kind in ("mins", "both"):
@@ -98,7 +101,7 @@ def _weight(kind: str, vocab: int, hidden: int, generator) -> Q8_0Weight:
 
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("vocab, hidden", [(4099, 96), (64, 640)])  # padded tiles, odd blocks
-@pytest.mark.parametrize("kind", ["q8_0", "sub16", "mins", "both"])
+@pytest.mark.parametrize("kind", ["q8_0", "fp32_scales", "sub16", "mins", "both"])
 def test_every_build_computes_the_promised_product(build, vocab, hidden, kind, tmp_path_factory):
     lib = _build(build, tmp_path_factory)
     generator = torch.Generator().manual_seed(vocab)
@@ -135,10 +138,25 @@ def test_every_build_quantizes_the_activations_as_promised(build, tmp_path_facto
     for scale in (1e-6, 1.0, 1e5):
         x = torch.randn(3, h, generator=generator) * scale
         x[1, BLOCK : 2 * BLOCK] = 0  # a zero block
-        x[2, :BLOCK] = x[2, :BLOCK].round()  # integers, some halves of the 32767 steps
+        x[2, :BLOCK] = -0.0
+        # 32767 the largest: a step of exactly 1, so halves round to even (2.5 -> 2)
+        x[2, BLOCK : 2 * BLOCK] = 0.0
+        x[2, BLOCK : BLOCK + 7] = torch.tensor([32767.0, 0.5, 1.5, 2.5, -0.5, -2.5, -3.5])
         xq, xs = _int16_activations(x)
+        assert list(xq[2, BLOCK : BLOCK + 7]) == [32767, 0, 2, 2, 0, -2, -4]
         want = (xq.astype(np.float32) * np.repeat(xs, BLOCK, axis=1)).astype(np.float32)
         assert np.array_equal(packed.product(x).numpy(), want), scale
+    # A NaN or an infinity: its row's outputs NaN, other rows' not; a block so small that
+    # 32767 / its largest overflows: zeros (the rest of its row as without it).
+    x = torch.randn(4, h, generator=generator)
+    for row, bad in enumerate((float("nan"), float("inf"), float("-inf"))):
+        x[row, BLOCK + 3] = bad
+    without = x[3].clone()
+    x[3, 2 * BLOCK : 3 * BLOCK] = torch.randn(BLOCK, generator=generator) * 1e-36
+    without[2 * BLOCK : 3 * BLOCK] = 0
+    out = packed.product(x)
+    assert out[:3].isnan().all()
+    assert torch.equal(out[3], packed.product(without[None])[0])
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
@@ -313,7 +331,7 @@ def test_the_embedded_heads_blocks_are_its_weights_and_closer_than_the_fp16_copy
     assert err_blocks <= err_fp16 and err_blocks < 2.0**-7 * exact.abs().max().item()
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "sub16", "mins", "both"])
+@pytest.mark.parametrize("kind", ["q8_0", "fp32_scales", "sub16", "mins", "both"])
 def test_the_operator_computes_what_the_ctypes_path_does(kind, monkeypatch):
     """`Q8_0Packed.linear` as `torch.ops.kvactor.q8_0_linear` (one op, no ctypes) and
     through ctypes give the same tensor, for every kind of block: padding rows dropped, the
@@ -343,6 +361,10 @@ def test_the_operator_computes_what_the_ctypes_path_does(kind, monkeypatch):
     with pytest.raises(ValueError, match="scales must be a contiguous CPU tensor"):
         torch.ops.kvactor.q8_0_linear(
             torch.randn(1, 96), packed.q, packed.scales.double(), packed.mins, None, 40, n
+        )
+    with pytest.raises(ValueError, match="scales must be a contiguous CPU tensor"):
+        torch.ops.kvactor.q8_0_linear(  # fp16 scales: one a block and no minimums only
+            torch.randn(1, 96), packed.q, packed.scales.half(), packed.mins, None, 40, 2
         )
     with pytest.raises(ValueError, match="5 minimums for 144 blocks"):
         torch.ops.kvactor.q8_0_linear(  # (fp16 scales are for blocks without minimums)
