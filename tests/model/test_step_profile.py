@@ -3,6 +3,8 @@ interior in the LM head's, an embedding lookup in the other ops and not the KV g
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -64,20 +66,19 @@ def test_an_embedding_lookup_is_not_a_kv_gather():
 def test_work_outside_torch_ops_lands_in_the_head_and_the_packed_linears():
     """The Q8_0 kernel runs through ctypes, no torch op: inside the head its time is the
     head's range's own; inside a compiled step's `kvactor::packed_linear`, the op's own."""
-    import numpy as np
-
     from kernels import graph_ops
 
-    weights = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)
+    opaque_s = 0.004  # a sleep: no torch op, and never shorter, however busy the machine
 
-    def numpy_product(rows: torch.Tensor) -> torch.Tensor:  # opaque to the profiler
-        return torch.from_numpy(rows.numpy() @ weights.T)
+    def opaque_product(rows: torch.Tensor) -> torch.Tensor:  # opaque to the profiler
+        time.sleep(opaque_s)
+        return torch.zeros(rows.shape[0], 2048)
 
     class _Packed:
         out_features = 2048
 
         def product(self, rows: torch.Tensor) -> torch.Tensor:
-            return numpy_product(rows)
+            return opaque_product(rows)
 
     class _Opaque:
         def __init__(self) -> None:
@@ -86,7 +87,7 @@ def test_work_outside_torch_ops_lands_in_the_head_and_the_packed_linears():
             self.x = torch.randn(64, 2048)
 
         def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-            return numpy_product(h)
+            return opaque_product(h)
 
         def step(self):
             h = graph_ops.packed_linear(self.x, self.handle, 2048)
@@ -95,8 +96,9 @@ def test_work_outside_torch_ops_lands_in_the_head_and_the_packed_linears():
     m = _Opaque()
     with torch.inference_mode():
         ms = profile_steps(m.step, m, steps=3)
-    total = sum(ms.values())
-    assert ms[LM_HEAD] > 0.3 * total and ms[LINEARS] > 0.3 * total
+    # attributed elsewhere, either bucket would hold only `zeros`' microseconds
+    assert ms[LM_HEAD] >= opaque_s * 1e3, ms
+    assert ms[LINEARS] >= opaque_s * 1e3, ms
 
 
 def test_the_blocks_operator_counts_as_a_linear():
