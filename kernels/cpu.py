@@ -7,6 +7,12 @@ default `model.dtype = "auto"` picks bf16 only where the CPU has native bf16 (AV
 AMX-BF16 or AVX-NE-CONVERT) and oneDNN accepts bf16, fp32 everywhere else; every choice
 comes with the reason, which the runner logs.
 
+Instructions: kvactor uses none wider than torch dispatches to. Where torch's level is
+below AVX-512 (an AVX2-only CPU, or `ATEN_CPU_CAPABILITY=avx2`, torch's own variable, on a
+wider one), the AVX-512 and AMX flags count as absent: no native bf16, and the Q8_0 kernel
+builds without AVX-512 (`avx512_disabled`). So one variable makes the whole engine choose
+as on an AVX2-only CPU (with `ONEDNN_MAX_CPU_ISA=AVX2` for oneDNN's own kernels).
+
 Threads: `model.threads = 0` ("auto") gives the runner every core it may run on, in its own
 process or in the control plane's (measured with `bin/engine bench serve`: the actors'
 Python work between steps costs less than the core it would reserve).
@@ -40,12 +46,26 @@ class CpuFeatures:
         )
 
 
+# instruction-set flags beyond torch's dispatch level when it is below AVX-512
+_WIDE_FLAG_PREFIXES = ("avx512", "amx")
+
+
+def avx512_disabled() -> bool:
+    """Whether this CPU has AVX-512 that torch's dispatch level leaves unused (`AVX2` or
+    `DEFAULT`, as `ATEN_CPU_CAPABILITY` sets), so kvactor's code must not use it either."""
+    level = torch.backends.cpu.get_cpu_capability()
+    return "avx512f" in _cpuinfo_flags() and not level.startswith("AVX512")
+
+
 @cache
 def cpu_features() -> CpuFeatures:
     flags = _cpuinfo_flags()
+    capped = avx512_disabled()
+    if capped:
+        flags = {f for f in flags if not f.startswith(_WIDE_FLAG_PREFIXES)}
     native = bool(flags & set(NATIVE_BF16_FLAGS))
     cpu = getattr(torch, "cpu", None)
-    if cpu is not None and hasattr(cpu, "_is_avx512_bf16_supported"):
+    if not capped and cpu is not None and hasattr(cpu, "_is_avx512_bf16_supported"):
         native = native or bool(cpu._is_avx512_bf16_supported())
     try:
         onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -8,8 +8,9 @@ the embedded Gemma 3 270M's tied head (Q8_0, read where the file keeps it) and i
 two kinds beyond Q8_0's the kernel takes); `Q8_0Weight` holds them and packs them once.
 
 The product is a small C kernel (`csrc/q8_0_gemv.c`: AVX-512 with or without VNNI, AVX2 or
-plain C, whichever the machine has), compiled at first use with `-march=native` and cached
-per source and CPU under the kvactor cache, loaded with ctypes; it runs on the process's
+plain C, whichever the machine has), compiled at first use with `-march=native` (less
+AVX-512 where torch dispatches below it: `native_flags`) and cached per source and CPU
+under the kvactor cache, loaded with ctypes; it runs on the process's
 OpenMP team (torch's). It reads the blocks repacked into tiles of 16 rows
 (`Q8_0Weight.packed`). Its activations are quantized per 32-block to int16 (each value off
 by at most 2^-16 of its block's largest), so on a bf16 model (activations already rounded to
@@ -226,7 +227,7 @@ def kernel() -> ctypes.CDLL | None:
     with _lock:
         if _library is None and _status == "not built yet":
             try:
-                _library = load_library(build_library())
+                _library = load_library(build_library(native_flags()))
                 _status = f"built for {ISA_NAMES[_library.q8_0_isa()]}"
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _status = f"not built: {exc}"
@@ -309,6 +310,14 @@ def _built(target: Path, command: Callable[[Path], list]) -> Path:
             raise RuntimeError(f"{' '.join(map(str, argv))} failed: {done.stderr.strip()[-400:]}")
         os.replace(built, target)
     return target
+
+
+def native_flags() -> tuple[str, ...]:
+    """This CPU's instructions, less AVX-512 where torch's dispatch level leaves it unused
+    (`kernels.cpu.avx512_disabled`: an AVX2 CPU's choices, made on a wider one)."""
+    from kernels.cpu import avx512_disabled
+
+    return ("-march=native", "-mno-avx512f") if avx512_disabled() else ("-march=native",)
 
 
 def build_library(flags: tuple[str, ...] = ("-march=native",), directory: Path | None = None):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels.cpu as cpu
+from kernels import q8_0
 from kernels.cpu import CpuFeatures, choose_dtype, choose_threads, cpu_features
 
 AVX2 = CpuFeatures(
@@ -78,3 +79,37 @@ def test_this_machine_is_described():
     assert f.cores >= 1 and f.capability
     dtype, reason = choose_dtype("auto")
     assert (dtype == torch.bfloat16) == (f.native_bf16 and f.onednn_bf16), reason
+
+
+def test_torch_capped_at_avx2_makes_the_engine_choose_as_on_an_avx2_cpu(tmp_path):
+    """`ATEN_CPU_CAPABILITY=avx2` (torch's own variable): no AVX-512 or AMX flag counts, so
+    `auto` picks fp32 and the Q8_0 kernel builds for AVX2, on any x86 CPU with AVX2."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if "avx2" not in cpu._cpuinfo_flags():
+        pytest.skip("this CPU has no AVX2")
+    probe = (
+        "import json, torch\n"
+        "from kernels.cpu import avx512_disabled, choose_dtype, cpu_features\n"
+        "from kernels import q8_0\n"
+        "f = cpu_features()\n"
+        "lib = q8_0.kernel()\n"
+        "print(json.dumps({'capability': f.capability, 'flags': sorted(f.flags),\n"
+        "    'native_bf16': f.native_bf16, 'dtype': str(choose_dtype('auto')[0]),\n"
+        "    'isa': lib.q8_0_isa() if lib is not None else q8_0.kernel_status(),\n"
+        "    'disabled': avx512_disabled()}))\n"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "KVACTOR_CACHE": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["capability"] == "AVX2"
+    assert not [f for f in got["flags"] if f.startswith(("avx512", "amx"))]
+    assert got["native_bf16"] is False and got["dtype"] == "torch.float32"
+    if q8_0.compiler() is not None:
+        assert got["isa"] == 1, got  # AVX2, whatever wider the CPU has
+    assert got["disabled"] == ("avx512f" in cpu._cpuinfo_flags())
