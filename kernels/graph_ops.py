@@ -38,8 +38,18 @@ def register(module: PackedProduct) -> int:
     return handle
 
 
-@torch.library.custom_op("kvactor::packed_linear", mutates_args=())
-def packed_linear(rows: Tensor, handle: int, out_features: int) -> Tensor:
+# The ops are declared by schema and given one kernel for every device
+# (CompositeExplicitAutograd), not through `torch.library.custom_op`: its Python wrappers
+# (autograd, Dynamo disabling) cost about 10 us a call, and a compiled step calls these ops
+# once a layer (write_kv) and once a packed linear.
+_LIB = torch.library.Library("kvactor", "FRAGMENT")
+_LIB.define("packed_linear(Tensor rows, int handle, int out_features) -> Tensor")
+_LIB.define(
+    "write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()"
+)
+
+
+def _packed_linear(rows: Tensor, handle: int, out_features: int) -> Tensor:
     """rows [N, in] -> [N, out_features] through the registered module's own kernel."""
     ref = _MODULES.get(handle)
     module = ref() if ref is not None else None
@@ -48,9 +58,30 @@ def packed_linear(rows: Tensor, handle: int, out_features: int) -> Tensor:
     return module.product(rows)
 
 
-@packed_linear.register_fake
+def _write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    """k_cache[slots] = k and v_cache[slots] = v, in place: a compiled graph writes a layer's
+    new K/V into the pool itself (traced as plain indexing, a write into a view of the pool
+    becomes a copy of the whole pool)."""
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+_LIB.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+_LIB.impl("write_kv", _write_kv, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kvactor::packed_linear", lib=_LIB)
 def _(rows: Tensor, handle: int, out_features: int) -> Tensor:
     return rows.new_empty((rows.shape[0], out_features))
+
+
+@torch.library.register_fake("kvactor::write_kv", lib=_LIB)
+def _(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    return None
+
+
+packed_linear = torch.ops.kvactor.packed_linear.default
+write_kv = torch.ops.kvactor.write_kv.default
 
 
 def product(module, rows: Tensor) -> Tensor:
@@ -58,12 +89,3 @@ def product(module, rows: Tensor) -> Tensor:
     if torch.compiler.is_compiling():
         return packed_linear(rows, module.handle, module.out_features)
     return module.product(rows)
-
-
-@torch.library.custom_op("kvactor::write_kv", mutates_args=("k_cache", "v_cache"))
-def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
-    """k_cache[slots] = k and v_cache[slots] = v, in place: a compiled graph writes a layer's
-    new K/V into the pool itself (traced as plain indexing, a write into a view of the pool
-    becomes a copy of the whole pool)."""
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
