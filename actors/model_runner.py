@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from actors.runtime import Actor
+from actors.runtime.gc_freeze import freeze_survivors, thaw
 from kernels.compiled_step import COMPILE_MODES, CompiledStep, compile_choice
 from kernels.compiled_step import cache_root as compile_cache_root
 from kernels.cuda_graphs import GRAPH_BACKENDS
@@ -260,6 +261,7 @@ class ModelRunnerActor(Actor):
         if self.kv_store is not None:
             self.kv_store.close()  # the disk tier's files die with this runner
         self.kv_store = None
+        thaw()  # frozen cycles (this runner's among them) are collectable again
         gc.collect()
 
     def _load(self) -> None:
@@ -300,6 +302,9 @@ class ModelRunnerActor(Actor):
         if self.tp > 1:
             why = "off: a tensor-parallel step runs eagerly (its collectives are in no graph)"
         self.log.info("compile", compile=compiles, reason=why, cache=str(compile_cache_root()))
+        frozen = freeze_survivors(lambda: not self._stopping)
+        if frozen is not None:
+            self.log.info("gc frozen", after="weights", **frozen)
         if compiles:
             self.executor.compiled = CompiledStep(self.executor)
             threading.Thread(target=self._compile, name="compile-step", daemon=True).start()
@@ -457,6 +462,9 @@ class ModelRunnerActor(Actor):
                 compile_s=round(compiled.compile_s, 1),
                 max_tokens=compiled.max_tokens,
             )
+            frozen = freeze_survivors(lambda: not self._stopping)
+            if frozen is not None:
+                self.log.info("gc frozen", after="compiled steps", **frozen)
         else:
             self.log.warning("compile failed; steps stay eager", error=compiled.failed)
 

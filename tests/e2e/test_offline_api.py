@@ -56,8 +56,12 @@ def test_engines_run_one_after_another_do_not_pile_up_their_weights(monkeypatch)
             assert len(results[0].token_ids) == 2
         alive = [ref() is not None for ref in models]
         heads = sum(type(o) is LmHead for o in gc.get_objects())
+        # each runner froze the survivors of its load (actors/runtime/gc_freeze.py) and
+        # thawed them at its stop: nothing stays out of the collector's reach
+        frozen = gc.get_freeze_count()
     finally:
         gc.enable()
+    assert frozen == 0, f"{frozen} objects still frozen after every engine stopped"
     assert len(models) == 3
     assert sum(alive) <= 1, f"models still held after their engines stopped: {alive}"
     assert heads <= 1, f"{heads} LM heads (each holding the vocabulary table) still held"
