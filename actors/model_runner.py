@@ -250,6 +250,11 @@ class ModelRunnerActor(Actor):
         # does the LM head with its chosen kernels, so without this a stopped runner's
         # gigabytes stay (a restarted runner loads beside them; engines made one after
         # another in a process pile up).
+        if self.executor is not None:
+            # a compile still running holds its CompiledStep alone: without the executor's
+            # reference back, both go by reference counting when it ends, not by a
+            # collection (which another runner's freeze could put off until its own stop)
+            self.executor.compiled = None
         self.executor = None
         self.sampler = None
         if self._ranks:
@@ -456,6 +461,8 @@ class ModelRunnerActor(Actor):
         """Background: compile the small-step graph; steps switch to it once ready."""
         compiled = self.executor.compiled
         compiled.compile()
+        if self._stopping:
+            return  # the runner stopped meanwhile: nothing to switch to or to freeze
         if compiled.ready:
             self.log.info(
                 "compiled steps ready",

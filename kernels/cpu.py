@@ -10,8 +10,9 @@ comes with the reason, which the runner logs.
 Instructions: kvactor uses none wider than torch dispatches to. Where torch's level is
 below AVX-512 (an AVX2-only CPU, or `ATEN_CPU_CAPABILITY=avx2`, torch's own variable, on a
 wider one), the AVX-512 and AMX flags count as absent: no native bf16, and the Q8_0 kernel
-builds without AVX-512 (`avx512_disabled`). So one variable makes the whole engine choose
-as on an AVX2-only CPU (with `ONEDNN_MAX_CPU_ISA=AVX2` for oneDNN's own kernels).
+builds without AVX-512 (`avx512_disabled`). With oneDNN and fbgemm held to AVX2 as well
+(`actors/__init__.py` does it), one variable makes the whole engine choose and compute as on
+an AVX2-only CPU.
 
 Threads: `model.threads = 0` ("auto") gives the runner every core it may run on, in its own
 process or in the control plane's (measured with `bin/engine bench serve`: the actors'

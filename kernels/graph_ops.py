@@ -43,9 +43,11 @@ def register(module: PackedProduct) -> int:
 # (autograd, Dynamo disabling) cost about 10 us a call, and a compiled step calls these ops
 # once a layer (write_kv) and once a packed linear.
 _LIB = torch.library.Library("kvactor", "FRAGMENT")
-_LIB.define("packed_linear(Tensor rows, int handle, int out_features) -> Tensor")
+_PT2 = (torch.Tag.pt2_compliant_tag,)  # as custom_op tags its ops
+_LIB.define("packed_linear(Tensor rows, int handle, int out_features) -> Tensor", tags=_PT2)
 _LIB.define(
-    "write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()"
+    "write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()",
+    tags=_PT2,
 )
 
 

@@ -9,7 +9,9 @@ so that a stopping engine's reference cycles (the runner and its cell, the LM he
 kernels) can be collected again.
 
 Freezing is per process and covers every object alive, whoever made it: the lock keeps a
-freeze from landing after a thaw that was meant to follow it.
+freeze from landing after a thaw that was meant to follow it. So is thawing: with several
+engines in one process, one engine's stop thaws the others' objects too, and their full
+collections walk them again until a runner freezes next (a cost, not a fault).
 """
 
 from __future__ import annotations

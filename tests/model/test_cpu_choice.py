@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import kernels.cpu as cpu
-from kernels import q8_0
 from kernels.cpu import CpuFeatures, choose_dtype, choose_threads, cpu_features
 
 AVX2 = CpuFeatures(
@@ -103,13 +102,18 @@ def test_torch_capped_at_avx2_makes_the_engine_choose_as_on_an_avx2_cpu(tmp_path
         "    'disabled': avx512_disabled()}))\n"
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "KVACTOR_CACHE": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["capability"] == "AVX2"
     assert not [f for f in got["flags"] if f.startswith(("avx512", "amx"))]
-    assert got["native_bf16"] is False and got["dtype"] == "torch.float32"
-    if q8_0.compiler() is not None:
+    # AVX-NE-CONVERT (an AVX2-class bf16 instruction) still counts where the CPU has it
+    native = bool(set(got["flags"]) & set(cpu.NATIVE_BF16_FLAGS))
+    assert got["native_bf16"] is native
+    if not native:
+        assert got["dtype"] == "torch.float32"
+    if isinstance(got["isa"], int):
         assert got["isa"] == 1, got  # AVX2, whatever wider the CPU has
+    else:  # no kernel here (no compiler, or one that cannot build it): said why
+        assert got["isa"].startswith("not built"), got
     assert got["disabled"] == ("avx512f" in cpu._cpuinfo_flags())
