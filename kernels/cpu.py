@@ -83,15 +83,16 @@ def cpu_features() -> CpuFeatures:
     )
 
 
-def _cpuinfo_flags() -> set[str]:
+@cache
+def _cpuinfo_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
 
 
 _DTYPES = {
