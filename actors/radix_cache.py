@@ -32,6 +32,8 @@ from transport.messages.radix import (
     TreeSnapshotRequest,
     TreeStats,
     TreeStatsRequest,
+    UnlockablePages,
+    UnlockablePagesReply,
     UnlockNode,
 )
 
@@ -43,6 +45,7 @@ class RadixCacheActor(Actor):
         | UnlockNode
         | EvictPages
         | EvictBlocks
+        | UnlockablePages
         | PeekPrefix
         | TreeStatsRequest
         | TreeSnapshotRequest
@@ -81,6 +84,9 @@ class RadixCacheActor(Actor):
             return None
         if isinstance(msg, EvictPages):
             return EvictReply(pages=tree.evict(msg.num_pages).tolist())
+        if isinstance(msg, UnlockablePages):
+            pages = tree.pages_freed_by_unlocking(msg.node_ids)
+            return UnlockablePagesReply(pages=pages.tolist())
         if isinstance(msg, EvictBlocks):
             blocks = tree.evict_blocks(msg.num_pages)
             return EvictedBlocks(

@@ -403,6 +403,24 @@ class RadixTree:
                 self.protected_size -= len(n.key)
                 self.evictable_size += len(n.key)
 
+    def pages_freed_by_unlocking(self, node_ids) -> np.ndarray:
+        """The pages that would become evictable if one lock on each of `node_ids` (a node
+        may appear more than once) were released: those of every node all of whose locks
+        are among them. Changes nothing."""
+        drops: dict[int, int] = {}
+        for node_id in node_ids:
+            node = self._nodes[node_id]
+            while node is not self._root:
+                drops[node.id] = drops.get(node.id, 0) + 1
+                node = node.parent
+        freed = [
+            self._nodes[i].value
+            for i, n in drops.items()
+            if self._nodes[i].lock_ref == n and self._nodes[i].value.size
+        ]
+        slots = np.concatenate(freed) if freed else _EMPTY
+        return pages_of_slots(slots, self.page_size)
+
     # ---- eviction ------------------------------------------------------------------------
     def evict(self, num_pages: int) -> np.ndarray:
         """Evict unlocked leaves, LRU first, until >= num_pages pages are freed (or none left).

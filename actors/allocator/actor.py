@@ -418,6 +418,7 @@ class AllocatorActor(Actor):
             held_pages=ledger.held_pages(),
             session_pages=ledger.session_pages(),
             evictable_pages=evictable,
+            reclaimable_pages=await ledger.reclaimable_pages(),
             records=len(ledger.records),
             held_rows=len(self.table.held_rows()),
             cache_hit_tokens=c.cache_hit_tokens,

@@ -913,7 +913,7 @@ class KvLedger:
         need = self._pages_for(cached, len(keys), open_page=False)
         if self.session_max_pages is not None:
             # Past the sessions' cap the next finish would take another idle session's.
-            if self.session_pages() + need > self.session_max_pages:
+            if await self.pinned_pages() + need > self.session_max_pages:
                 plan = None
         deltas: list = []
         new_slots = None
@@ -1018,6 +1018,27 @@ class KvLedger:
         """Pages pinned by session slots (their own pages, not the tree prefix they lock)."""
         return sum(self._own_pages(s.rec) for s in self.slots.values() if s.rec is not None)
 
+    async def _pages_idle_slots_lock(self, idle: list[tuple[str, SessionSlot]]) -> np.ndarray:
+        """The tree pages whose every lock is an idle slot's in `idle`: evictable once those
+        slots are released."""
+        nodes = [self.session_lock_nodes[sid] for sid, _ in idle if sid in self.session_lock_nodes]
+        if self.tree is None or not nodes:
+            return _NO_PAGES
+        return await self.tree.pages_freed_by_unlocking(nodes)
+
+    async def reclaimable_pages(self) -> int:
+        """Pages an admission may take from idle sessions (their slots released under
+        pressure): their own pages, and the tree pages only they lock."""
+        idle = self._idle_slots()
+        own = sum(self._own_pages(slot.rec) for _, slot in idle)
+        return own + len(await self._pages_idle_slots_lock(idle))
+
+    async def pinned_pages(self) -> int:
+        """Pages idle sessions keep from everybody else: every slot's own pages and the
+        tree pages only idle slots lock (what `sessions.max_pinned_share` caps)."""
+        unlocked = await self._pages_idle_slots_lock(self._idle_slots())
+        return self.session_pages() + len(unlocked)
+
     def _idle_slots(self) -> list[tuple[str, SessionSlot]]:
         """Slots holding KV between turns, lowest priority and then least recently used first
         (the one being restored now excluded)."""
@@ -1027,6 +1048,13 @@ class KvLedger:
             if s.rec is not None and s.turn is None and sid != self._restoring
         ]
         return sorted(idle, key=lambda item: (item[1].priority, item[1].last_used))
+
+    async def _reclaim_idle_slot(self) -> bool:
+        """`_reclaim_session`, True only when it emptied an idle slot (its own pages freed
+        or cached, its tree lock released): a loop of these ends, even on a slot whose
+        release failed to take anything."""
+        before = len(self._idle_slots())
+        return await self._reclaim_session() and len(self._idle_slots()) < before
 
     async def _reclaim_session(self) -> bool:
         """Release the lowest-priority, least recently used idle slot (the session stays
@@ -1356,12 +1384,11 @@ class KvLedger:
 
     async def _cap_sessions(self) -> None:
         """Release idle slots, least recently used first, until they pin at most
-        `session_max_pages` pages."""
+        `session_max_pages` pages (`pinned_pages`: their tree prefixes too)."""
         if self.session_max_pages is None:
             return
-        while (pinned := self.session_pages()) > self.session_max_pages:
-            # A reclaim that unpins nothing ends the loop (never spins on a broken slot).
-            if not await self._reclaim_session() or self.session_pages() >= pinned:
+        while await self.pinned_pages() > self.session_max_pages:
+            if not await self._reclaim_idle_slot():
                 return
 
     def check_held(self, rids: list[int], need_held: list[bool] | None = None) -> None:
@@ -1538,10 +1565,8 @@ class KvLedger:
             if freed.size:
                 self._free_pages(freed)
                 self.counters.evicted_pages += int(freed.size)
-            else:
-                pinned = self.session_pages()
-                if not await self._reclaim_session() or self.session_pages() >= pinned:
-                    raise LedgerError(f"eviction found nothing; {missing} pages missing")
+            elif not await self._reclaim_idle_slot():
+                raise LedgerError(f"eviction found nothing; {missing} pages missing")
 
     async def _shortfall(self, pages: int, returning: int = 0, with_sessions=True) -> int:
         """Pages missing for an allocation of `pages` once `returning` more are freed, every
@@ -1551,11 +1576,19 @@ class KvLedger:
         swa_short = pages - returning - self.swa.num_free if self.swa is not None else 0
         if short <= 0 and swa_short <= 0:
             return 0
-        # An idle slot's own pages all end free or evictable once it is released.
-        for _, slot in self._idle_slots() if with_sessions else ():
+        # An idle slot's own pages all end free or evictable once it is released, and so
+        # do the tree pages that only idle slots lock (a prefix a slot matched, or the
+        # chunks its prefill cached: often most of a session's KV).
+        idle = self._idle_slots() if with_sessions else []
+        for _, slot in idle:
             short -= self._own_pages(slot.rec)
             if self.swa is not None:
                 swa_short -= int(self.swa.mapped(self._own_page_ids(slot.rec)).sum())
+        if (short > 0 or swa_short > 0) and idle:
+            unlocked = await self._pages_idle_slots_lock(idle)
+            short -= len(unlocked)
+            if self.swa is not None:
+                swa_short -= int(self.swa.mapped(unlocked).sum())
         if short <= 0 and swa_short <= 0:
             return 0
         if self.tree is None:

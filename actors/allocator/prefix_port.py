@@ -36,6 +36,11 @@ class PrefixPort(Protocol):
 
     async def unlock(self, node_id: int) -> None: ...
 
+    async def pages_freed_by_unlocking(self, node_ids: list[int]) -> np.ndarray:
+        """`RadixTree.pages_freed_by_unlocking`: what releasing those locks would make
+        evictable; changes nothing."""
+        ...
+
     async def evict(self, num_pages: int) -> np.ndarray: ...
 
     async def evict_blocks(self, num_pages: int) -> list[EvictedBlock]:
@@ -77,6 +82,9 @@ class LocalPrefixPort:
 
     async def unlock(self, node_id: int) -> None:
         self.tree.dec_lock_ref(node_id)
+
+    async def pages_freed_by_unlocking(self, node_ids: list[int]) -> np.ndarray:
+        return self.tree.pages_freed_by_unlocking(node_ids)
 
     async def evict(self, num_pages: int) -> np.ndarray:
         return self.tree.evict(num_pages)

@@ -20,6 +20,8 @@ from transport.messages.radix import (
     TreeSnapshotRequest,
     TreeStats,
     TreeStatsRequest,
+    UnlockablePages,
+    UnlockablePagesReply,
     UnlockNode,
 )
 
@@ -61,6 +63,11 @@ class RemotePrefixPort:
 
     async def unlock(self, node_id: int) -> None:
         await self.radix.call(UnlockNode(node_id=node_id))
+
+    async def pages_freed_by_unlocking(self, node_ids: list[int]) -> np.ndarray:
+        msg = UnlockablePages(node_ids=list(node_ids))
+        r = await self.radix.call(msg, expect=UnlockablePagesReply)
+        return np.asarray(r.pages, dtype=np.int64)
 
     async def evict(self, num_pages: int) -> np.ndarray:
         r = await self.radix.call(EvictPages(num_pages=num_pages), expect=EvictReply)

@@ -256,6 +256,7 @@ class SchedulerActor(Actor):
             if isinstance(action, Retract):
                 await self._retract(action.victim)
             elif isinstance(action, CutShort):
+                await self._log_cut_short(action.req, "nothing could run")
                 core.cut_short(action.req, out)
             await self._send_report()  # the previous step's report goes first
             await self._flush(out)
@@ -378,12 +379,36 @@ class SchedulerActor(Actor):
             if isinstance(action, CutShort):
                 # Even alone it cannot grow: the pool is too small for this context.
                 decode.remove(action.req)
+                await self._log_cut_short(action.req, "decode slot short")
                 core.cut_short(action.req, out)
                 continue
             await self._retract(action.victim)
             if action.victim in decode:
                 decode.remove(action.victim)
         return decode
+
+    async def _log_cut_short(self, req: Req, why: str) -> None:
+        kv = await self.alloc.call(KvStatsRequest(), expect=KvStats)
+        self.log.warning(
+            "request cut short: the pool cannot hold it",
+            rid=req.rid,
+            why=why,
+            tokens=req.num_tokens,
+            computed=req.committed,
+            outputs=len(req.output_ids),
+            running=len(self.core.running),
+            prefilling=len(self.core.prefilling),
+            waiting=len(self.core.waiting),
+            free_pages=kv.free_pages,
+            evictable_pages=kv.evictable_pages,
+            tree_pages=kv.tree_pages,
+            held_pages=kv.held_pages,
+            session_pages=kv.session_pages,
+            session_slots=kv.session_slots,
+            reclaimable_pages=kv.reclaimable_pages,
+            held_rows=kv.held_rows,
+            swa_free_pages=kv.swa_free_pages,
+        )
 
     async def _retract(self, victim: Req) -> None:
         await self._call(

@@ -388,3 +388,34 @@ def test_a_request_never_waits_behind_idle_sessions_that_fill_the_pool():
             await h.settled()
 
     anyio.run(go)
+
+
+def test_a_request_is_served_when_idle_sessions_pin_the_pool_through_the_tree():
+    """Idle sessions whose KV lies mostly in the prefix tree (a long prompt's first chunk
+    is cached there, locked by the session): a request needing more than the free pages
+    and the sessions' own pages is served by releasing them. It was cut short with an
+    error: only the sessions' own pages counted as reclaimable (found by `bench sessions`
+    with 1,000-token turns)."""
+
+    async def go():
+        rng = random.Random(4)
+        async with SessionHarness(num_pages=42, chunk_size=64, max_batch_tokens=64) as h:
+            sids = [await h.open() for _ in range(2)]
+            for sid in sids:
+                await h.turn(sid, rand_tokens(rng, 70))  # a 64-token chunk goes to the tree
+            kv = await h.settled()
+            need = -(-48 // 4)  # the plain request's prompt, one chunk
+            assert kv.free_pages + kv.session_pages < need, kv
+            assert kv.evictable_pages == 0 and kv.reclaimable_pages >= need, kv
+            with anyio.fail_after(20):
+                await h.plain({7000: rand_tokens(rng, 48)})
+            assert h.sink.finish[7000] not in ("abort", "error")
+            assert len(h.sink.outputs[7000]) == PARAMS.max_tokens
+            kv = await h.settled()
+            assert kv.session_reclaims >= 1
+            for sid in sids:  # released or not, each session still takes turns
+                rid, _ = await h.turn(sid, rand_tokens(rng, 10))
+                assert h.sink.finish[rid] not in ("abort", "error")
+            await h.settled()
+
+    anyio.run(go)

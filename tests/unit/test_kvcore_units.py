@@ -137,6 +137,26 @@ def test_radix_lock_and_lru_eviction():
     assert tree.total_size == 0 and b.node_id != c.node_id
 
 
+def test_pages_freed_by_unlocking_counts_nodes_whose_every_lock_is_released():
+    tree = RadixTree(page_size=2)
+    a = tree.insert([1, 2, 3, 4], np.array([10, 11, 12, 13]))  # node [1 2 3 4]
+    b = tree.insert([1, 2, 5, 6], np.array([10, 11, 20, 21]))  # splits: [1 2] -> [3 4], [5 6]
+    shared = tree.match_prefix([1, 2]).node_id
+    tree.inc_lock_ref(a.node_id)
+    tree.inc_lock_ref(b.node_id)
+    before = (tree.evictable_size, tree.protected_size, tree.lock_ref(shared))
+    # Releasing a's lock frees its own leaf only: b still locks the shared [1 2].
+    assert tree.pages_freed_by_unlocking([a.node_id]).tolist() == [6]
+    # Both: the shared page too; a node listed twice counts two locks.
+    assert sorted(tree.pages_freed_by_unlocking([a.node_id, b.node_id]).tolist()) == [5, 6, 10]
+    tree.inc_lock_ref(a.node_id)
+    assert tree.pages_freed_by_unlocking([a.node_id]).tolist() == []
+    assert sorted(tree.pages_freed_by_unlocking([a.node_id, a.node_id]).tolist()) == [6]
+    assert (tree.evictable_size, tree.protected_size) == before[:2]  # a query, no change
+    assert tree.lock_ref(shared) == before[2] + 1
+    assert tree.pages_freed_by_unlocking([]).tolist() == []
+
+
 def test_evicted_blocks_carry_their_whole_path_key_leaves_first():
     tree = RadixTree(page_size=2)
     tree.insert([1, 2, 3, 4, 5, 6], np.arange(10, 16))

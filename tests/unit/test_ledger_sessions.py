@@ -80,6 +80,9 @@ class Driver:
     def idle(self):
         return run_sync(self.ledger.idle_problems())
 
+    def tree_port(self):
+        return self.ledger.tree
+
 
 def toks(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(10, 5000, n).astype(np.int64)
@@ -158,6 +161,62 @@ def test_a_request_never_waits_behind_an_idle_session():
     g = d.extend(4, np.concatenate([old, toks(7, 5)]), session="old")
     assert g is not None and g.cached_len % PS == 0 and g.cached_len <= 32
     d.finish(4, np.concatenate([old, toks(7, 5)]))
+    assert d.idle() == []
+
+
+def _cached_then_session_turn(d, rid, sid, seed):
+    """A plain request caches a 24-token prefix (6 pages), then session `sid`'s turn
+    starts from it: the idle slot then locks those 6 tree pages and owns 2 of its own."""
+    prefix = toks(seed, 24)
+    d.extend(rid, prefix)
+    d.finish(rid, prefix)
+    d.ledger.open_slot(sid)
+    d.turn(rid + 1, np.concatenate([prefix, toks(seed + 1, 6)]), toks(seed + 2, 2), sid)
+    rec = d.ledger.slots[sid].rec
+    assert rec.cache_protected_len == 24 and d.ledger._own_pages(rec) == 2
+
+
+def test_pressure_counts_the_tree_pages_only_idle_sessions_lock():
+    """An idle slot's KV may lie mostly in the prefix tree, locked by the slot (a prefix
+    it matched, or the chunks its prefill cached). Releasing the slot makes those pages
+    evictable, so a request that fits once idle sessions are reclaimed is granted (it was
+    refused: only the slots' own pages were counted, and the engine cut it short)."""
+    d = Driver(num_pages=24)
+    _cached_then_session_turn(d, 1, "a", 10)
+    _cached_then_session_turn(d, 3, "b", 20)
+    pool = d.ledger.pool
+    assert pool.num_free == 8 and d.ledger.session_pages() == 4
+    assert run_sync(d.tree_port().evictable_pages()) == 0  # all 12 tree pages locked
+    g = d.extend(99, toks(99, 62))  # 16 pages: 8 free + 4 own + 12 unlocked by release
+    assert g is not None and (g.start, g.end) == (0, 62)
+    assert d.ledger.counters.session_reclaims >= 1
+    d.finish(99, toks(99, 62))
+    assert d.idle() == []
+
+
+def test_the_sessions_cap_counts_the_tree_pages_only_idle_sessions_lock():
+    d = Driver(num_pages=64)
+    d.ledger.session_max_pages = 12
+    _cached_then_session_turn(d, 1, "a", 10)  # pins 2 own + 6 locked tree pages
+    assert run_sync(d.ledger.pinned_pages()) == 8 and d.ledger.counters.session_reclaims == 0
+    _cached_then_session_turn(d, 3, "b", 20)  # 16 > 12: the least recently used goes
+    assert d.ledger.slots["a"].rec is None and d.ledger.slots["b"].rec is not None
+    assert run_sync(d.ledger.pinned_pages()) == 8
+    assert d.ledger.counters.session_reclaims == 1
+    assert d.idle() == []
+
+
+def test_pressure_still_refuses_what_even_every_idle_session_cannot_make_room_for():
+    d = Driver(num_pages=24)
+    _cached_then_session_turn(d, 1, "a", 10)
+    hog = d.extend(50, toks(50, 24))  # 6 pages held by a running request
+    assert hog is not None
+    before = (d.ledger.pool.num_free, d.ledger.slots["a"].rec)
+    # free 10 + own 2 + unlockable 6 = 18 < 20: refused, nothing changed
+    assert d.extend(99, toks(99, 80)) is None
+    assert (d.ledger.pool.num_free, d.ledger.slots["a"].rec) == before
+    assert d.ledger.counters.session_reclaims == 0
+    d.abort(50)
     assert d.idle() == []
 
 

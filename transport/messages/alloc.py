@@ -137,6 +137,9 @@ class KvStats(Message):
     # is its prompt plus a window, not a window alone
     swa_keeps_prompt: bool = False
     session_reclaims: int = 0  # idle session slots released to the tree (cap or pressure)
+    # pages an admission may take from idle sessions: their slots' own pages and the tree
+    # pages only they lock (the ledger releases the slots under pressure)
+    reclaimable_pages: int = 0
     tree_heals: int = 0  # dead (window-freed) tree pages replaced by live ones
     session_demotes: int = 0  # idle sessions' KV copied to the host tier
     session_promotes: int = 0  # session turns that loaded their history from it

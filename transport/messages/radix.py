@@ -49,6 +49,17 @@ class EvictReply(HotMessage):
     pages: list[int]
 
 
+class UnlockablePages(HotMessage):
+    """The pages that releasing one lock on each of `node_ids` would make evictable
+    (`RadixTree.pages_freed_by_unlocking`); changes nothing."""
+
+    node_ids: list[int]
+
+
+class UnlockablePagesReply(HotMessage):
+    pages: list[int]
+
+
 class EvictBlocks(HotMessage):
     """`EvictPages`, answered with each evicted node (a tier below the pool keeps copies)."""
 
