@@ -88,9 +88,10 @@ async def stream_completion(client: httpx.AsyncClient, body: dict) -> tuple[str,
 
 
 def words_for(seed: int, vocabulary: list[str], n_tokens: int) -> str:
-    """About `n_tokens` tokens of text (words drawn from the corpus, ~1.3 tokens each)."""
+    """About `n_tokens` tokens of text: words drawn from the corpus, 1.6 Gemma 3 tokens
+    each on average (1.49-1.70 over 20 draws of 1,000 tokens)."""
     rng = random.Random(seed)
-    return " ".join(rng.choice(vocabulary) for _ in range(max(1, int(n_tokens / 1.3))))
+    return " ".join(rng.choice(vocabulary) for _ in range(max(1, round(n_tokens / 1.6))))
 
 
 async def one_session(

@@ -201,7 +201,8 @@ def test_sessions_bench_reuses_history_and_answers_as_without_a_session(server, 
     result = json.loads(out.read_text())
     assert code == 0, result
     assert result["turns_ok"] == 6 and result["turns_failed"] == 0
-    assert result["history_tokens"] > 3 * 40 and result["reprefilled_share"] < 0.1, result
+    # each first turn (~40 new tokens, 4 output) is history to its second
+    assert result["history_tokens"] > 3 * 30 and result["reprefilled_share"] < 0.1, result
     assert result["verify"] == {"same": 4, "differ": 0}  # every turn of two sessions
     probe = result["restore"]
     assert probe["host_tier_cached_tokens"] >= probe["history_tokens"] - 1, probe
