@@ -228,7 +228,7 @@ class AllocatorActor(Actor):
         elif isinstance(msg, IdleCheck):
             return await self._idle_check()
         elif isinstance(msg, KvStatsRequest):
-            return await self._stats(msg.check_invariants)
+            return await self._stats(msg.check_invariants, msg.reclaimable)
         elif isinstance(msg, OpenSlot):
             ledger.open_slot(msg.session_id, msg.priority, msg.retain_s)
             reply = None
@@ -398,7 +398,7 @@ class AllocatorActor(Actor):
             await self.ledger.check()
         return IdleCheckReply(problems=problems)
 
-    async def _stats(self, check: bool) -> KvStats:
+    async def _stats(self, check: bool, reclaimable: bool = False) -> KvStats:
         ledger = self.ledger
         if check:
             await ledger.check()
@@ -418,7 +418,7 @@ class AllocatorActor(Actor):
             held_pages=ledger.held_pages(),
             session_pages=ledger.session_pages(),
             evictable_pages=evictable,
-            reclaimable_pages=await ledger.reclaimable_pages(),
+            reclaimable_pages=(await ledger.reclaimable_pages() if check or reclaimable else 0),
             records=len(ledger.records),
             held_rows=len(self.table.held_rows()),
             cache_hit_tokens=c.cache_hit_tokens,

@@ -25,11 +25,12 @@ turn finds the slot as it was. While a turn runs the slot holds nothing, so the 
 counts those pages once, as the request's. An abort or retraction of the turn frees its KV
 as for any request: the slot stays empty and the next turn prefills from the prefix tree.
 
-Sessions may pin at most `session_max_pages` of their own pages: past it, and whenever an
-allocation needs pages that neither the free list nor the tree's evictable pages cover, the
-least recently used idle slot is released to the prefix tree (its pages become cached,
-evictable KV; its next turn prefills what the tree no longer holds). A request never waits
-behind idle sessions.
+Sessions may pin at most `session_max_pages` pages (`pinned_pages`: their own, and the tree
+pages only idle slots lock, as the chunks a long turn's prefill cached): past it, and
+whenever an allocation needs pages that neither the free list nor the tree's evictable
+pages cover, the least recently used idle slot is released to the prefix tree (its pages
+become cached, evictable KV; its next turn prefills what the tree no longer holds). A
+request never waits behind idle sessions.
 
 The host tier (with `tiers` and `host`): reclaiming an idle slot first demotes it. Its
 history's KV is copied out of the pool under a new handle (`TierEntry`, owned by the slot:
@@ -256,7 +257,8 @@ class KvLedger:
     # freed. True: the prompt's too (the most memory; a prefix hit is then cut to where its
     # last window is intact), and prefill chunks stay the request's until it ends.
     swa_free_prompt: bool = False
-    # Own pages idle session slots may pin together (None: no cap besides the pool).
+    # Pages idle session slots may pin together, their own and the tree pages only they
+    # lock (None: no cap besides the pool).
     session_max_pages: int | None = None
     # The host tier below the pool (None: an idle slot's KV only goes to the tree).
     tiers: TierPort | None = None
@@ -913,7 +915,8 @@ class KvLedger:
         need = self._pages_for(cached, len(keys), open_page=False)
         if self.session_max_pages is not None:
             # Past the sessions' cap the next finish would take another idle session's.
-            if await self.pinned_pages() + need > self.session_max_pages:
+            # Its matched prefix will be locked by this slot, idle: pinned as well.
+            if await self.pinned_pages(also_locked=node) + need > self.session_max_pages:
                 plan = None
         deltas: list = []
         new_slots = None
@@ -1018,10 +1021,14 @@ class KvLedger:
         """Pages pinned by session slots (their own pages, not the tree prefix they lock)."""
         return sum(self._own_pages(s.rec) for s in self.slots.values() if s.rec is not None)
 
-    async def _pages_idle_slots_lock(self, idle: list[tuple[str, SessionSlot]]) -> np.ndarray:
-        """The tree pages whose every lock is an idle slot's in `idle`: evictable once those
-        slots are released."""
+    async def _pages_idle_slots_lock(
+        self, idle: list[tuple[str, SessionSlot]], also_locked: int | None = None
+    ) -> np.ndarray:
+        """The tree pages whose every lock is an idle slot's in `idle` (or `also_locked`, a
+        lock that will be an idle slot's): evictable once those slots are released."""
         nodes = [self.session_lock_nodes[sid] for sid, _ in idle if sid in self.session_lock_nodes]
+        if also_locked is not None:
+            nodes.append(also_locked)
         if self.tree is None or not nodes:
             return _NO_PAGES
         return await self.tree.pages_freed_by_unlocking(nodes)
@@ -1033,10 +1040,10 @@ class KvLedger:
         own = sum(self._own_pages(slot.rec) for _, slot in idle)
         return own + len(await self._pages_idle_slots_lock(idle))
 
-    async def pinned_pages(self) -> int:
+    async def pinned_pages(self, also_locked: int | None = None) -> int:
         """Pages idle sessions keep from everybody else: every slot's own pages and the
         tree pages only idle slots lock (what `sessions.max_pinned_share` caps)."""
-        unlocked = await self._pages_idle_slots_lock(self._idle_slots())
+        unlocked = await self._pages_idle_slots_lock(self._idle_slots(), also_locked)
         return self.session_pages() + len(unlocked)
 
     def _idle_slots(self) -> list[tuple[str, SessionSlot]]:

@@ -388,7 +388,29 @@ class SchedulerActor(Actor):
         return decode
 
     async def _log_cut_short(self, req: Req, why: str) -> None:
-        kv = await self.alloc.call(KvStatsRequest(), expect=KvStats)
+        """A request ended because the pool cannot hold it: logged with the pool's state
+        (without it when the allocator does not answer within a second)."""
+        pool: dict = {}
+        with anyio.move_on_after(1.0):
+            try:
+                kv = await self.alloc.call(KvStatsRequest(reclaimable=True), expect=KvStats)
+            except (RemoteError, ChannelClosed, TimeoutError):
+                kv = None
+            if kv is not None:
+                pool = {
+                    k: getattr(kv, k)
+                    for k in (
+                        "free_pages",
+                        "evictable_pages",
+                        "tree_pages",
+                        "held_pages",
+                        "session_pages",
+                        "session_slots",
+                        "reclaimable_pages",
+                        "held_rows",
+                        "swa_free_pages",
+                    )
+                }
         self.log.warning(
             "request cut short: the pool cannot hold it",
             rid=req.rid,
@@ -399,15 +421,7 @@ class SchedulerActor(Actor):
             running=len(self.core.running),
             prefilling=len(self.core.prefilling),
             waiting=len(self.core.waiting),
-            free_pages=kv.free_pages,
-            evictable_pages=kv.evictable_pages,
-            tree_pages=kv.tree_pages,
-            held_pages=kv.held_pages,
-            session_pages=kv.session_pages,
-            session_slots=kv.session_slots,
-            reclaimable_pages=kv.reclaimable_pages,
-            held_rows=kv.held_rows,
-            swa_free_pages=kv.swa_free_pages,
+            **pool,
         )
 
     async def _retract(self, victim: Req) -> None:

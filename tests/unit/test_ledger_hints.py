@@ -50,6 +50,22 @@ def test_a_prefetch_shares_what_the_tree_still_holds():
     d.kv.assert_row_holds(g.row, np.concatenate([hist, toks(3, 7)]), 42)
 
 
+def test_a_prefetch_counts_the_tree_prefix_its_slot_will_lock_against_the_cap():
+    """After the prefetch the idle slot locks its matched tree prefix (8 pages) and owns
+    the loaded page: 9 pinned, past a cap of 5, so the hint is refused (it was granted:
+    the check counted the loaded page alone, and the next finish had to release a session)."""
+    d = Driver()
+    demoted_on_a_tree_prefix(d)  # the tree has its first 8 pages
+    d.ledger.session_max_pages = 5
+    assert run_sync(d.ledger.prefetch_slot("s")) == 0
+    d.check()
+    assert d.ledger.slots["s"].stored is not None and d.ledger.slots["s"].rec is None
+    d.ledger.session_max_pages = 9
+    assert run_sync(d.ledger.prefetch_slot("s")) == 35
+    d.check()
+    assert run_sync(d.ledger.pinned_pages()) == 9
+
+
 def test_a_prefetched_window_session_keeps_its_freed_range():
     d = Driver(swa=True)
     d.ledger.session_max_pages = 0

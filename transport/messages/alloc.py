@@ -107,6 +107,8 @@ class ReleaseBatch(HotMessage):
 
 class KvStatsRequest(Message):
     check_invariants: bool = False
+    # also `reclaimable_pages` (a walk of the prefix tree in the radix actor; 0 without it)
+    reclaimable: bool = False
 
 
 class KvStats(Message):
@@ -137,8 +139,9 @@ class KvStats(Message):
     # is its prompt plus a window, not a window alone
     swa_keeps_prompt: bool = False
     session_reclaims: int = 0  # idle session slots released to the tree (cap or pressure)
-    # pages an admission may take from idle sessions: their slots' own pages and the tree
-    # pages only they lock (the ledger releases the slots under pressure)
+    # pages a request may take from idle sessions: their slots' own pages and the tree
+    # pages only they lock (the ledger releases the slots under pressure); asked for with
+    # `KvStatsRequest.reclaimable` (or `check_invariants`), else 0
     reclaimable_pages: int = 0
     tree_heals: int = 0  # dead (window-freed) tree pages replaced by live ones
     session_demotes: int = 0  # idle sessions' KV copied to the host tier
