@@ -2,13 +2,16 @@
 (`actors/router.py`) on the server's host and port, in front of N replicas.
 
 With `--data-parallel-size N` this process starts the N replicas itself: each is
-`bin/engine serve` with the same model and settings on 127.0.0.1 and the next ports
-(port + 1 ... port + N), its own process group, OMP_NUM_THREADS = cores / N. The router
-starts once every replica answers /health (a replica that exits first fails the start,
-naming it). SIGTERM / SIGINT stop the router, then drain the replicas (SIGTERM each, as
-their own drain expects); each replica also gets SIGTERM if the router's process dies. A
-replica that dies later is taken out by the router; the others serve on. With `--role
-router` the replicas are engines started elsewhere.
+`bin/engine serve` with the same model and settings on 127.0.0.1 and a port the OS reports
+free (logged), its own process group, OMP_NUM_THREADS = cores / N. The router starts once
+every replica answers /health. A replica that exits during its start fails the start,
+naming it, unless its port was taken meanwhile by another process (the port is free when
+chosen, but a replica binds it only after loading the model): that replica is started
+again on another port, up to START_ATTEMPTS times. SIGTERM / SIGINT stop the router,
+then drain the replicas (SIGTERM each, as their own drain expects); each replica also
+gets SIGTERM if the router's process dies. A replica that dies later is taken out by the
+router; the others serve on. With `--role router` the replicas are engines started
+elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,11 +29,13 @@ import httpx
 from actors.app.config import EngineConfig
 from actors.runtime.logging import get_logger
 from kernels.tensor_parallel import die_with_parent
+from transport.address import pick_free_tcp_port
 
 _log = get_logger("data_parallel")
 
 START_TIMEOUT_S = 900.0
 DRAIN_WAIT_S = 60.0
+START_ATTEMPTS = 3
 
 
 def replica_argv(argv: list[str], port: int) -> list[str]:
@@ -49,27 +55,58 @@ def replica_argv(argv: list[str], port: int) -> list[str]:
     return [*out, "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "1"]
 
 
+def replica_ports(router_port: int, count: int) -> list[int]:
+    """`count` distinct ports the OS reports free on loopback, none of them the router's.
+
+    Not router_port + 1...: a fixed neighbour may belong to any other process."""
+    ports: set[int] = set()
+    out = []
+    for _ in range(count):
+        port = pick_free_tcp_port(exclude={router_port, *ports})
+        ports.add(port)
+        out.append(port)
+    return out
+
+
+def port_taken(port: int) -> bool:
+    """Whether another socket holds `port` on loopback right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 def start_replicas(cfg: EngineConfig, argv: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
     count = cfg.parallel.data_parallel_size
     threads = max(1, len(os.sched_getaffinity(0)) // count)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.pop("KVACTOR_PARALLEL_DATA_PARALLEL_SIZE", None)
-    processes, urls = [], []
-    for i in range(count):
-        port = cfg.server.port + 1 + i
+
+    def launch(port: int) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "actors.app.cli", "serve", *replica_argv(argv, port)]
-        processes.append(
-            subprocess.Popen(
-                cmd, env=env, start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM)
-            )
+        return subprocess.Popen(
+            cmd, env=env, start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM)
         )
-        urls.append(f"http://127.0.0.1:{port}")
+
+    ports = replica_ports(cfg.server.port, count)
+    processes = [launch(port) for port in ports]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    attempts = [1] * count
     _log.info("replicas starting", replicas=urls, threads_each=threads)
     deadline = time.monotonic() + START_TIMEOUT_S
     pending = set(range(count))
     while pending:
         for i in list(pending):
             if processes[i].poll() is not None:
+                if attempts[i] < START_ATTEMPTS and port_taken(ports[i]):
+                    (port,) = replica_ports(cfg.server.port, 1)
+                    _log.warning("replica port taken", replica=i, port=ports[i], retry_port=port)
+                    ports[i], urls[i] = port, f"http://127.0.0.1:{port}"
+                    processes[i] = launch(port)
+                    attempts[i] += 1
+                    continue
                 stop_replicas(processes)
                 raise SystemExit(
                     f"bin/engine: replica {i} ({urls[i]}) exited with code "

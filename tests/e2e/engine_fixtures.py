@@ -82,3 +82,39 @@ def save_tiny_llama(folder, vocab_size: int, max_position_embeddings: int = 512)
         tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
+
+
+TINY_LLAMA_VOCAB = 300
+
+
+def tiny_llama_folder(root):
+    """A random-weight Llama with a word-level tokenizer, a chat template and a
+    generation_config.json, saved as a Hugging Face folder."""
+    import json
+
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    folder = root / "tiny-llama"
+    save_tiny_llama(folder, TINY_LLAMA_VOCAB)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab |= {f"w{i}": i for i in range(4, TINY_LLAMA_VOCAB)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    hf_tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w9{% endif %}"
+    )
+    hf_tok.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(
+        json.dumps({"do_sample": False, "max_new_tokens": 5, "bos_token_id": 1, "eos_token_id": 2})
+    )
+    return folder

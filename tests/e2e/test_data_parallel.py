@@ -4,12 +4,14 @@ engines it starts. A streaming session's turns all land on the replica that hold
 cached, also when the router learnt of it only from that replica's tree digest; killing
 one replica leaves the other serving, with /health "degraded"; the router's /metrics
 counts each rule per replica. `--role router` fronts engines started elsewhere, passing
-their API key through, and reports a replica nobody serves as down."""
+their API key through, and reports a replica nobody serves as down. A replica whose port
+another process took before it bound starts again on another."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.engine_fixtures import natural_text
+from tests.e2e.engine_fixtures import natural_text, tiny_llama_folder
 from tests.e2e.server_fixtures import (
     MODEL_NAME,
     pick_free_tcp_port,
@@ -251,3 +253,37 @@ def test_a_router_in_front_of_engines_started_elsewhere():
         router.send_signal(signal.SIGTERM)
         router.wait(timeout=30)
         stop_server(engine)
+
+
+def test_a_replica_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch):
+    """The port is free when chosen and bound only after the model loads: another process
+    that takes it meanwhile (a parallel test run did) must not fail the start."""
+    from actors.app import data_parallel
+    from actors.app.config import load_config
+
+    folder = tiny_llama_folder(tmp_path)
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    real, calls = data_parallel.replica_ports, []
+
+    def first_one_taken(router_port: int, count: int) -> list[int]:
+        calls.append(count)
+        ports = real(router_port, count)
+        return [taken, *ports[1:]] if len(calls) == 1 else ports
+
+    monkeypatch.setattr(data_parallel, "replica_ports", first_one_taken)
+    argv = [str(folder), "--max-model-len", "256", "--data-parallel-size", "2"]
+    argv += ["--set", "kv.num_pages=64"]
+    cfg = load_config(None, ["parallel.data_parallel_size=2", "kv.num_pages=64"])
+    processes, urls = data_parallel.start_replicas(cfg, argv)
+    try:
+        assert calls == [2, 1]  # one more port, for the replica that lost its own
+        assert len(set(urls)) == 2 and f"http://127.0.0.1:{taken}" not in urls
+        for url in urls:
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    finally:
+        data_parallel.stop_replicas(processes)
+        holder.close()
+    assert all(p.returncode is not None for p in processes)

@@ -4,52 +4,17 @@ overrides, and flags that fail at start naming what is wrong."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.engine_fixtures import save_tiny_llama
+from tests.e2e.engine_fixtures import tiny_llama_folder
 from tests.e2e.server_fixtures import ROOT, scrape_metrics, start_server, stop_server
 
 pytestmark = [pytest.mark.model]
-
-VOCAB = 300
-
-
-def tiny_llama_folder(root: Path) -> Path:
-    """A random-weight Llama with a word-level tokenizer, a chat template and a
-    generation_config.json, saved as a Hugging Face folder."""
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    folder = root / "tiny-llama"
-    save_tiny_llama(folder, VOCAB)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab |= {f"w{i}": i for i in range(4, VOCAB)}
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-    )
-    hf_tok.chat_template = (
-        "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}w9{% endif %}"
-    )
-    hf_tok.save_pretrained(folder)
-    (folder / "generation_config.json").write_text(
-        json.dumps({"do_sample": False, "max_new_tokens": 5, "bos_token_id": 1, "eos_token_id": 2})
-    )
-    return folder
 
 
 @pytest.fixture(scope="module")
