@@ -19,6 +19,11 @@ its own (nothing reused) and compares the answers. `--restore-tokens T` times on
 about T history tokens restored three ways: from the pool (the session kept it), from the
 host tier (offloaded by the client's hint first) and by prefilling it (no session, a cache
 salt of its own): the time to the first token of the next turn, one after the other.
+`--restart-after-turn K` (with --all-open, on a server this command starts with a
+`kv.store_dir`): once every session has answered K turns, the server gets SIGTERM (its drain
+writes the idle sessions to the store) and starts again on the same store and port; turn
+K + 1's cached share of its history is reported as `after_restart`, and the tier counters
+add both servers' figures.
 """
 
 from __future__ import annotations
@@ -102,9 +107,11 @@ async def one_session(
     vocabulary,
     run: Run,
     turn_slots: asyncio.Semaphore | None = None,
+    gate: RestartGate | None = None,
 ) -> None:
     """The session's turns one after another; `turn_slots` (with --all-open) bounds the
-    turns in flight across sessions."""
+    turns in flight across sessions; `gate` holds it after --restart-after-turn turns
+    until the server is back."""
     rng = random.Random(args.seed * 1000 + index)
     created = await client.post("/v1/sessions", json={"ttl_s": 3600})
     created.raise_for_status()
@@ -138,15 +145,49 @@ async def one_session(
             run.turns.append(turn)
             run.prompts[(index, k)] = prompt
             previous = turn
+            if gate is not None and k + 1 == args.restart_after_turn:
+                await gate.arrive()
             if k + 1 < args.turns and args.pause_s > 0:
                 await asyncio.sleep(rng.expovariate(1.0 / args.pause_s))
     finally:
+        if gate is not None:
+            gate.leave()  # a session that ends early does not hold the others
         await client.delete(f"/v1/sessions/{sid}")
 
 
-async def drive(base_url: str, args) -> tuple[Run, dict]:
+class RestartGate:
+    """Every session's arrival after its K-th turn, then one restart of the server, then
+    all go on. A session that ends without arriving (an error) leaves instead."""
+
+    def __init__(self, parties: int, restart) -> None:
+        self.waiting_for = parties
+        self.restart = restart  # async () -> None
+        self.arrived: set[asyncio.Task] = set()
+        self.done = asyncio.Event()
+
+    async def arrive(self) -> None:
+        self.arrived.add(asyncio.current_task())
+        await self._count_down()
+        await self.done.wait()
+
+    def leave(self) -> None:
+        if asyncio.current_task() not in self.arrived and not self.done.is_set():
+            self.arrived.add(asyncio.current_task())
+            asyncio.ensure_future(self._count_down())
+
+    async def _count_down(self) -> None:
+        self.waiting_for -= 1
+        if self.waiting_for == 0:
+            await self.restart()
+            self.done.set()
+
+
+async def drive(base_url: str, args, restart=None) -> tuple[Run, dict]:
+    """`restart` (async, with --restart-after-turn): stops the server and starts it again;
+    it returns the first server's /metrics figures."""
     vocabulary = natural_text().split()
     run = Run()
+    before: dict = {}
     async with httpx.AsyncClient(base_url=base_url, timeout=600.0, headers=_auth(args)) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         queue = list(range(args.sessions))
@@ -157,14 +198,21 @@ async def drive(base_url: str, args) -> tuple[Run, dict]:
 
         if args.all_open:
             slots = asyncio.Semaphore(args.concurrency)
+            gate = None
+            if args.restart_after_turn:
+
+                async def restart_server() -> None:
+                    before.update(await restart())
+
+                gate = RestartGate(len(queue), restart_server)
             await asyncio.gather(
-                *(one_session(client, model, i, args, vocabulary, run, slots) for i in queue)
+                *(one_session(client, model, i, args, vocabulary, run, slots, gate) for i in queue)
             )
         else:
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         checks = await verify(client, model, run, args)
         restore = await restore_probe(client, model, vocabulary, args)
-    return run, {"verify": checks, "restore": restore}
+    return run, {"verify": checks, "restore": restore, "before_restart": before}
 
 
 async def verify(client, model: str, run: Run, args) -> dict:
@@ -286,7 +334,45 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+COUNTERS_ADDED_ACROSS_A_RESTART = (
+    "kvactor:session_demotes_total",
+    "kvactor:session_promotes_total",
+    "kvactor:host_tier_loaded_tokens_total",
+    "kvactor:host_tier_drops_total",
+    "kvactor:host_tier_failures_total",
+    "kvactor:host_tier_spills_total",
+    "kvactor:disk_tier_promotes_total",
+    "kvactor:prefix_block_demotes_total",
+    "kvactor:prefix_block_loaded_tokens_total",
+    "kvactor:session_reclaims_total",
+    "kvactor:kv_idle_check_failures_total",
+)
+
+
+def after_restart(run: Run, args) -> dict:
+    """Turn K + 1 of every session (the first after the restart): its history, and how much
+    of it came back cached from the store."""
+    if not args.restart_after_turn:
+        return {}
+    first = [t for t in run.turns if t.turn == args.restart_after_turn and not t.error]
+    history = sum(t.history_tokens for t in first)
+    cached = sum(min(t.cached_tokens, t.history_tokens) for t in first)
+    shares = sorted(min(t.cached_tokens, t.history_tokens) / t.history_tokens for t in first)
+    return {
+        "turns": len(first),
+        "history_tokens": history,
+        "cached_tokens": cached,
+        "cached_share": round(cached / history, 4) if history else 0.0,
+        "lowest_session_share": round(shares[0], 4) if shares else 0.0,
+        "sessions_below_90pct": sum(1 for x in shares if x < 0.9),
+    }
+
+
 def summarize(run: Run, figures: dict, probes: dict, args) -> dict:
+    before = probes.pop("before_restart", {}) or {}
+    figures = dict(figures)
+    for name in COUNTERS_ADDED_ACROSS_A_RESTART:
+        figures[name] = figures.get(name, 0) + before.get(name, 0)
     later = [t for t in run.turns if t.turn > 0 and not t.error]
     history = sum(t.history_tokens for t in later)
     reprefilled = sum(max(t.history_tokens - t.cached_tokens, 0) for t in later)
@@ -339,6 +425,7 @@ def summarize(run: Run, figures: dict, probes: dict, args) -> dict:
         + f("kvactor:kv_pages{state=session}")
         + f("kvactor:kv_pages{state=held}"),
         "idle_check_failures": f("kvactor:kv_idle_check_failures_total"),
+        "after_restart": after_restart(run, args),
         **probes,
     }
 
@@ -373,6 +460,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="time the tier load without first pushing the history out of the prefix tree "
         "(a history shorter than one prefill chunk leaves nothing there anyway)",
     )
+    p.add_argument(
+        "--restart-after-turn",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --all-open and a kv.store_dir: SIGTERM the server once every session "
+        "answered K turns, start it again on the same store, and report turn K+1's cached "
+        "share",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", default="", help="a running server (else one is started)")
     p.add_argument("--api-key", default="", help="the running server's API key")
@@ -380,31 +476,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
     p.add_argument("--log", default="/tmp/kvactor-sessions-server.log")
     p.add_argument("--output-json", default="")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.restart_after_turn:
+        if not 0 < args.restart_after_turn < args.turns:
+            p.error("--restart-after-turn K needs 0 < K < --turns")
+        if not args.all_open or args.url:
+            p.error("--restart-after-turn needs --all-open and a server this command starts")
+        if not any(pair.startswith("kv.store_dir=") and pair[13:] for pair in args.set or []):
+            p.error("--restart-after-turn needs --set kv.store_dir=DIR (what a restart reads)")
+    return args
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM (the server drains), then SIGKILL its group after `timeout_s`."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     proc = None
     base_url = args.url
+    restart_s: list[float] = []
     if not base_url:
         port = pick_free_tcp_port()
         base_url = f"http://127.0.0.1:{port}"
         proc = start_server(args, port)
+
+    async def restart() -> dict:
+        """The first server's figures; then it drains (writing its sessions to the store)
+        and a new one starts on the same store and port."""
+        nonlocal proc
+        figures = await asyncio.to_thread(wait_idle, base_url, 30.0, _auth(args))
+        t = time.monotonic()
+        await asyncio.to_thread(stop_server, proc, 600.0)
+        if proc.returncode != 0:
+            raise SystemExit(f"the server exited with {proc.returncode}; see {args.log}")
+        proc = await asyncio.to_thread(start_server, args, port, True)
+        restart_s.append(time.monotonic() - t)
+        return figures
+
     try:
         t0 = time.monotonic()
-        run, probes = asyncio.run(drive(base_url, args))
+        run, probes = asyncio.run(drive(base_url, args, restart))
         elapsed = time.monotonic() - t0
         figures = wait_idle(base_url, headers=_auth(args))
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_server(proc)
     result = summarize(run, figures, probes, args)
     result["elapsed_s"] = round(elapsed, 1)
+    if restart_s:
+        result["after_restart"]["stop_and_start_s"] = round(restart_s[0], 1)
     print(json.dumps(result, indent=2))
     if args.output_json:
         detail = {**result, "turn_records": [asdict(t) | {"text": ""} for t in run.turns]}
@@ -414,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         or result["idle_check_failures"]
         or result["verify"]["differ"]
         or result["restore"].get("error")
+        or result["after_restart"].get("sessions_below_90pct")
     )
     return 1 if bad else 0
 

@@ -192,13 +192,15 @@ def wait_idle(
         time.sleep(0.2)
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, port: int, append: bool = False) -> subprocess.Popen:
+    """`bin/engine serve` on `port` with `args.set`, once /health answers; its output goes
+    to `args.log` (`append`: after what a previous server wrote there)."""
     cmd = [sys.executable, "-m", "actors.app.cli", "serve", "--port", str(port)]
     if args.multi_process:
         cmd += ["--set", "engine.transport=ipc", "--set", "engine.groups.runner=model"]
     for pair in args.set or []:
         cmd += ["--set", pair]
-    log = open(args.log, "w")
+    log = open(args.log, "a" if append else "w")
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )

@@ -210,3 +210,43 @@ def test_sessions_bench_reuses_history_and_answers_as_without_a_session(server, 
     assert probe["pool_cached_tokens"] >= probe["history_tokens"] - 1, probe
     assert probe["prefill_ttft_s"] > 0 and result["host_tier"]["promotes"] >= 1
     assert set(result["ttft_by_turn"]) == {"0", "1"}
+
+
+def test_sessions_bench_restarts_the_server_and_finds_the_history_in_the_store(tmp_path):
+    """`--restart-after-turn 1`: the server drains (its sessions go to the store) and starts
+    again on the same store; every session's next turn finds its whole history cached, and
+    the answers equal the same prompts sent without a session."""
+    from actors.bench import sessions
+
+    out = tmp_path / "sessions.json"
+    sets = ["model.dtype=float32", "model.linear=aten", "model.threads=1", "kv.num_pages=128"]
+    code = sessions.main(
+        [
+            *("--sessions", "2", "--turns", "2", "--concurrency", "2", "--all-open"),
+            *("--new-tokens", "40", "--output-tokens", "4", "--pause-s", "0.05"),
+            *("--verify", "2", "--restore-tokens", "0", "--restart-after-turn", "1"),
+            *[arg for pair in sets for arg in ("--set", pair)],
+            *("--set", f"kv.store_dir={tmp_path / 'store'}"),
+            *("--log", str(tmp_path / "server.log"), "--output-json", str(out)),
+        ]
+    )
+    result = json.loads(out.read_text())
+    assert code == 0, result
+    assert result["turns_ok"] == 4 and result["verify"] == {"same": 4, "differ": 0}
+    restarted = result["after_restart"]
+    assert restarted["turns"] == 2 and restarted["history_tokens"] > 2 * 30, restarted
+    assert restarted["cached_share"] >= 0.9 and restarted["sessions_below_90pct"] == 0
+    # the history came back from the store's files (the pool died with the first server)
+    assert result["host_tier"]["disk_promotes"] == 2, result["host_tier"]
+    assert (tmp_path / "server.log").read_text().count("actor system ready") == 2
+
+
+def test_sessions_bench_refuses_a_restart_it_cannot_measure():
+    from actors.bench import sessions
+
+    with pytest.raises(SystemExit):  # no store: nothing would survive the restart
+        sessions.parse_args(["--all-open", "--turns", "2", "--restart-after-turn", "1"])
+    with pytest.raises(SystemExit):  # K must leave a turn after the restart
+        sessions.parse_args(
+            ["--all-open", "--turns", "2", "--restart-after-turn", "2", "--set", "kv.store_dir=x"]
+        )
