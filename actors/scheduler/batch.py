@@ -70,6 +70,7 @@ class Report:
     req: Req
     tokens: tuple[SampledToken, ...]
     finish: str  # "" while running, else a FinishReason
+    error: str = ""  # with finish "error": what the client is told ("": its runner failed)
 
 
 @dataclass
@@ -107,8 +108,10 @@ class StepOutbox:
         self.released += len(items)
         return items
 
-    def report(self, req: Req, tokens: Sequence[SampledToken] = (), finish: str = "") -> None:
-        self.reports.append(Report(req, tuple(tokens), finish))
+    def report(
+        self, req: Req, tokens: Sequence[SampledToken] = (), finish: str = "", error: str = ""
+    ) -> None:
+        self.reports.append(Report(req, tuple(tokens), finish, error))
 
     @property
     def any_finish(self) -> bool:
@@ -158,6 +161,8 @@ class StepOutbox:
             prompt_ranks=[x for p in self.prompt for x in p[3]],
             prompt_top_ids=[x for p in self.prompt for x in p[4]],
             prompt_top_logprobs=[x for p in self.prompt for x in p[5]],
+            error_rids=[r.req.rid for r in self.reports if r.error],
+            error_texts=[r.error for r in self.reports if r.error],
         )
 
 

@@ -33,6 +33,13 @@ from transport.messages.alloc import (
 from transport.messages.engine import FinishReason, NewRequest, SchedulerStats
 from transport.messages.runner import ForwardBatchMsg, StepResultMsg
 
+# What a client is told when its request had no token yet and the pool could not hold it
+# even with nothing else running (not a runner failure: retrying it may succeed).
+KV_SHORT_TEXT = (
+    "the KV cache had no room for this request even with nothing else running (its prompt "
+    "and max_tokens need more pages than were free); retry it later, or shorten it"
+)
+
 
 class DuplicateRequest(ValueError):
     """A request id that is already scheduled: it would share the first one's KV."""
@@ -122,9 +129,12 @@ class SchedulerCore:
                 self._remove(req)
                 self.finish(req, reason, out)
 
-    def finish(self, req: Req, reason: FinishReason, out: StepOutbox, tokens=()) -> None:
+    def finish(
+        self, req: Req, reason: FinishReason, out: StepOutbox, tokens=(), error: str = ""
+    ) -> None:
         """Record the end of a request (already out of the queues); its KV release goes in
-        `out`, with its last tokens and finish reason in the token report."""
+        `out`, with its last tokens and finish reason in the token report (`error`: what
+        the client is told of an ERROR that is not its runner's failure)."""
         del self.reqs[req.rid]
         # Only a request that ended well leaves its KV to the prefix cache (and its output
         # to a shared drafter).
@@ -145,7 +155,7 @@ class SchedulerCore:
             out.releases.append(ReleaseItem(rid=req.rid, kind=ReleaseKind.ABORT))
         if req.registered:
             self.unregister.append(req.rid)
-        out.report(req, tokens, reason)
+        out.report(req, tokens, reason, error)
 
     def _remove(self, req: Req) -> None:
         if req in self.waiting:
@@ -197,7 +207,10 @@ class SchedulerCore:
         """The pool cannot hold `req` even alone: it ends with what it has ("length"), or
         with an error when it has no token yet (a 200 with no tokens is no answer)."""
         self._remove(req)
-        self.finish(req, FinishReason.LENGTH if req.output_ids else FinishReason.ERROR, out)
+        if req.output_ids:
+            self.finish(req, FinishReason.LENGTH, out)
+        else:
+            self.finish(req, FinishReason.ERROR, out, error=KV_SHORT_TEXT)
 
     # ---- decode ----------------------------------------------------------------------------
     def plan_drafts(self, decode: Sequence[Req]) -> list[int]:

@@ -634,6 +634,7 @@ class TokenizerActor(Actor):
         self._take_prompt_logprobs(batch)
         pos = 0
         queued = batch.queued_s or [-1.0] * len(batch.rids)
+        errors = dict(zip(batch.error_rids, batch.error_texts))
         for rid, n, finish, cached, waited in zip(
             batch.rids, batch.counts, batch.finish, batch.cached, queued
         ):
@@ -671,8 +672,8 @@ class TokenizerActor(Actor):
                 st.stopped = True
                 if not finish:
                     stop_now.append(rid)
-            elif finish == FinishReason.ERROR:
-                reason, text = finish, RUNNER_FAILED_TEXT  # what the client is told
+            elif finish == FinishReason.ERROR:  # what the client is told
+                reason, text = finish, errors.get(rid, RUNNER_FAILED_TEXT)
             elif finish:
                 tail = st.detok.flush()
                 text += tail.text

@@ -226,6 +226,25 @@ async def test_tiny_pool_64_requests_complete_with_retraction(tiny_engine, engin
         assert got.token_ids == ref.token_ids
 
 
+async def test_a_prompt_the_pool_cannot_hold_is_told_so_and_the_engine_serves_on(
+    tiny_engine, tokenizer
+):
+    """40 pages of 4 slots hold 160 tokens: a 300-token prompt cannot run even alone. Its
+    client is told the KV cache had no room (not that the model runner failed), nothing
+    leaks, and the next request is served."""
+    ids = [tokenizer.bos_id] + tokenizer.encode(natural_text(), add_special_tokens=False)[:299]
+    with pytest.raises(GenerationError) as info:
+        async for _ in tiny_engine.client.generate(GenerationParams(max_tokens=4), prompt_ids=ids):
+            pass
+    assert "KV cache had no room" in info.value.message, info.value.message
+    assert "runner" not in info.value.message
+    await settle(tiny_engine)
+    params = GenerationParams(max_tokens=4, ignore_eos=True, **GREEDY)
+    [ok] = await tiny_engine.generate_batch([ids[:20]], params)
+    assert len(ok.token_ids) == 4
+    await settle(tiny_engine)
+
+
 async def test_prompt_logprobs_equal_hf_log_softmax(engine, tokenizer, hf_model):
     """Every prompt token after the first gets its logprob, as HF's log_softmax gives it,
     also across prefill chunks (chunk 256) and with the prompt's prefix already cached."""

@@ -275,6 +275,8 @@ def test_a_request_cut_short_before_its_first_token_ends_in_an_error():
     c.reqs[2].output_ids = [40]
     c.cut_short(c.reqs[2], out)  # a token already: it ends by length with it
     assert [r.finish for r in out.reports] == [FinishReason.ERROR, FinishReason.LENGTH]
+    batch = out.token_batch()  # the error says why (the pool), not "the runner failed"
+    assert batch.error_rids == [1] and "KV cache had no room" in batch.error_texts[0]
 
 
 def test_core_end_aborts_at_the_safe_point_and_reports_cached_once():

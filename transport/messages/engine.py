@@ -169,6 +169,9 @@ class TokenBatch(HotMessage):
     prompt_top_ids: list[list[int]] = []
     prompt_top_logprobs: list[list[float]] = []
     prompt_ranks: list[int] = []
+    # Why a request finished "error" where its runner did not fail: the client's message.
+    error_rids: list[int] = []
+    error_texts: list[str] = []
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
