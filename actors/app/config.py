@@ -184,6 +184,9 @@ class ServerSection(_Section):
     max_connections: int = 1024  # open connections at most; more are refused with 503
     drain_timeout_s: float = 30.0  # on SIGTERM: running requests get this long to finish
     zmq_curve_secret_file: str = ""  # "" = plain ZeroMQ; else CURVE with this secret key
+    # "" = none; else /health reports it as "instance": a launcher (the data-parallel
+    # router) checks it reached the engine it started, not another on the same port
+    instance_id: str = ""
 
 
 class ParallelSection(_Section):

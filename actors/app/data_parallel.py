@@ -7,7 +7,9 @@ free (logged), its own process group, OMP_NUM_THREADS = cores / N. The router st
 every replica answers /health. A replica that exits during its start fails the start,
 naming it, unless its port was taken meanwhile by another process (the port is free when
 chosen, but a replica binds it only after loading the model): that replica is started
-again on another port, up to START_ATTEMPTS times. SIGTERM / SIGINT stop the router,
+again on another port, up to START_ATTEMPTS times. A replica counts as up only when its
+/health reports the instance id it was started with (`server.instance_id`), so a server
+that took its port is never mistaken for it. SIGTERM / SIGINT stop the router,
 then drain the replicas (SIGTERM each, as their own drain expects); each replica also
 gets SIGTERM if the router's process dies. A replica that dies later is taken out by the
 router; the others serve on. With `--role router` the replicas are engines started
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -38,9 +41,9 @@ DRAIN_WAIT_S = 60.0
 START_ATTEMPTS = 3
 
 
-def replica_argv(argv: list[str], port: int) -> list[str]:
+def replica_argv(argv: list[str], port: int, instance_id: str) -> list[str]:
     """`serve` arguments for one replica: the router's own, minus the flags that make a
-    router, with the replica's host and port."""
+    router, with the replica's host and port, and the instance id its /health reports."""
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -52,25 +55,28 @@ def replica_argv(argv: list[str], port: int) -> list[str]:
             continue
         out.append(arg)
     # The flag beats --set, the environment and the config file: a replica never routes.
-    return [*out, "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "1"]
+    return [
+        *out,
+        *("--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "1"),
+        *("--set", f"server.instance_id={instance_id}"),
+    ]
 
 
-def replica_ports(router_port: int, count: int) -> list[int]:
-    """`count` distinct ports the OS reports free on loopback, none of them the router's.
+def replica_ports(count: int, exclude: set[int]) -> list[int]:
+    """`count` distinct ports the OS reports free on loopback, none in `exclude`.
 
-    Not router_port + 1...: a fixed neighbour may belong to any other process."""
-    ports: set[int] = set()
-    out = []
+    Not the router's port + 1...: a fixed neighbour may belong to any other process."""
+    out: list[int] = []
     for _ in range(count):
-        port = pick_free_tcp_port(exclude={router_port, *ports})
-        ports.add(port)
-        out.append(port)
+        out.append(pick_free_tcp_port(exclude={*exclude, *out}))
     return out
 
 
 def port_taken(port: int) -> bool:
-    """Whether another socket holds `port` on loopback right now."""
+    """Whether another socket listens on `port` on loopback right now (bound as the
+    replica binds, so a port in TIME_WAIT is not taken)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
@@ -78,49 +84,66 @@ def port_taken(port: int) -> bool:
     return False
 
 
+def is_up(url: str, instance_id: str) -> bool:
+    """`url` answers /health 200 as the replica started with `instance_id` (another
+    server that took its port answers without it, or with its own)."""
+    try:
+        resp = httpx.get(url + "/health", timeout=2.0)
+        return resp.status_code == 200 and resp.json().get("instance") == instance_id
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+
+
 def start_replicas(cfg: EngineConfig, argv: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
     count = cfg.parallel.data_parallel_size
     threads = max(1, len(os.sched_getaffinity(0)) // count)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.pop("KVACTOR_PARALLEL_DATA_PARALLEL_SIZE", None)
+    ids = [f"replica-{i}-{secrets.token_hex(8)}" for i in range(count)]
 
-    def launch(port: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "actors.app.cli", "serve", *replica_argv(argv, port)]
+    def launch(i: int, port: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "actors.app.cli", "serve", *replica_argv(argv, port, ids[i])]
         return subprocess.Popen(
             cmd, env=env, start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM)
         )
 
-    ports = replica_ports(cfg.server.port, count)
-    processes = [launch(port) for port in ports]
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
-    attempts = [1] * count
-    _log.info("replicas starting", replicas=urls, threads_each=threads)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    pending = set(range(count))
-    while pending:
-        for i in list(pending):
-            if processes[i].poll() is not None:
-                if attempts[i] < START_ATTEMPTS and port_taken(ports[i]):
-                    (port,) = replica_ports(cfg.server.port, 1)
-                    _log.warning("replica port taken", replica=i, port=ports[i], retry_port=port)
-                    ports[i], urls[i] = port, f"http://127.0.0.1:{port}"
-                    processes[i] = launch(port)
-                    attempts[i] += 1
-                    continue
-                stop_replicas(processes)
-                raise SystemExit(
-                    f"bin/engine: replica {i} ({urls[i]}) exited with code "
-                    f"{processes[i].returncode} during its start"
-                )
-            try:
-                if httpx.get(urls[i] + "/health", timeout=2.0).status_code == 200:
+    processes: list[subprocess.Popen] = []
+    try:
+        ports = replica_ports(count, {cfg.server.port})
+        for i, port in enumerate(ports):
+            processes.append(launch(i, port))
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        attempts = [1] * count
+        _log.info("replicas starting", replicas=urls, threads_each=threads)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = set(range(count))
+        while pending:
+            for i in list(pending):
+                if processes[i].poll() is not None:
+                    if attempts[i] < START_ATTEMPTS and port_taken(ports[i]):
+                        (port,) = replica_ports(1, {cfg.server.port, *ports})
+                        _log.warning(
+                            "replica port taken", replica=i, port=ports[i], retry_port=port
+                        )
+                        with contextlib.suppress(ProcessLookupError):  # what it left behind
+                            os.killpg(processes[i].pid, signal.SIGKILL)
+                        ports[i], urls[i] = port, f"http://127.0.0.1:{port}"
+                        processes[i] = launch(i, port)
+                        attempts[i] += 1
+                        deadline = max(deadline, time.monotonic() + START_TIMEOUT_S / 2)
+                        continue
+                    raise SystemExit(
+                        f"bin/engine: replica {i} ({urls[i]}) exited with code "
+                        f"{processes[i].returncode} during its start"
+                    )
+                if is_up(urls[i], ids[i]):
                     pending.discard(i)
-            except httpx.HTTPError:
-                pass
-        if time.monotonic() > deadline:
-            stop_replicas(processes)
-            raise SystemExit(f"bin/engine: replicas {sorted(pending)} not healthy in time")
-        time.sleep(0.25)
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bin/engine: replicas {sorted(pending)} not healthy in time")
+            time.sleep(0.25)
+    except BaseException:
+        stop_replicas(processes)
+        raise
     return processes, urls
 
 

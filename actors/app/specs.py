@@ -405,6 +405,7 @@ def serving_specs(cfg: EngineConfig, zmq_address: str | None = None) -> list[Act
                 body_timeout_s=srv.body_timeout_s,
                 keepalive_timeout_s=srv.keepalive_timeout_s,
                 max_connections=srv.max_connections,
+                instance_id=srv.instance_id,
                 watched_actors=core_actor_names(cfg),
                 radix="radix" if cfg.kv.radix else None,
                 # vllm:cache_config_info's labels, valued as vLLM writes them ("16",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -256,34 +255,52 @@ def test_a_router_in_front_of_engines_started_elsewhere():
 
 
 def test_a_replica_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch):
-    """The port is free when chosen and bound only after the model loads: another process
-    that takes it meanwhile (a parallel test run did) must not fail the start."""
+    """The port is free when chosen and bound only after the model loads: another server
+    that takes it meanwhile (a parallel test run's did) must not fail the start, nor be
+    taken for the replica though its /health answers 200."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
     from actors.app import data_parallel
     from actors.app.config import load_config
 
+    class OtherServer(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = b'{"status": "ok", "actors": []}'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
     folder = tiny_llama_folder(tmp_path)
-    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    holder.bind(("127.0.0.1", 0))
-    holder.listen()
-    taken = holder.getsockname()[1]
+    other = ThreadingHTTPServer(("127.0.0.1", 0), OtherServer)
+    Thread(target=other.serve_forever, daemon=True).start()
+    taken = other.server_address[1]
     real, calls = data_parallel.replica_ports, []
 
-    def first_one_taken(router_port: int, count: int) -> list[int]:
+    def first_one_taken(count: int, exclude: set[int]) -> list[int]:
         calls.append(count)
-        ports = real(router_port, count)
+        ports = real(count, exclude)
         return [taken, *ports[1:]] if len(calls) == 1 else ports
 
     monkeypatch.setattr(data_parallel, "replica_ports", first_one_taken)
     argv = [str(folder), "--max-model-len", "256", "--data-parallel-size", "2"]
     argv += ["--set", "kv.num_pages=64"]
     cfg = load_config(None, ["parallel.data_parallel_size=2", "kv.num_pages=64"])
-    processes, urls = data_parallel.start_replicas(cfg, argv)
     try:
-        assert calls == [2, 1]  # one more port, for the replica that lost its own
-        assert len(set(urls)) == 2 and f"http://127.0.0.1:{taken}" not in urls
-        for url in urls:
-            assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        processes, urls = data_parallel.start_replicas(cfg, argv)
+        try:
+            assert calls == [2, 1]  # one more port, for the replica that lost its own
+            assert len(set(urls)) == 2 and f"http://127.0.0.1:{taken}" not in urls
+            for url in urls:
+                health = httpx.get(f"{url}/health", timeout=5).json()
+                assert health["instance"].startswith("replica-"), health
+        finally:
+            data_parallel.stop_replicas(processes)
     finally:
-        data_parallel.stop_replicas(processes)
-        holder.close()
+        other.shutdown()
+        other.server_close()
     assert all(p.returncode is not None for p in processes)

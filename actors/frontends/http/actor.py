@@ -83,6 +83,7 @@ class GatewayActor(FrontendActor):
         keepalive_timeout_s: float = 5.0,
         max_connections: int = 1024,
         cache_config: dict[str, str] | None = None,  # vllm:cache_config_info's labels
+        instance_id: str = "",  # /health reports it when set
     ) -> None:
         super().__init__(tokenizer)
         self.model_names = list(model_names)
@@ -99,6 +100,7 @@ class GatewayActor(FrontendActor):
         self.body_timeout_s = body_timeout_s
         self.keepalive_timeout_s = keepalive_timeout_s
         self.max_connections = max_connections
+        self.instance_id = instance_id
         self.host = host
         self.port = port
         self.api_key = api_key or None
@@ -137,6 +139,7 @@ class GatewayActor(FrontendActor):
             max_body_bytes=self.max_body_bytes,
             body_timeout_s=self.body_timeout_s,
             accepting=lambda: self.accepting,
+            instance_id=self.instance_id,
         )
         self._sock = bind_listener(self.host, self.port)
         self.bound_port = self._sock.getsockname()[1]

@@ -144,6 +144,7 @@ class GatewayApp:
         responses_ttl_s: float = responses.STORED_RESPONSE_TTL_S,
         responses_max_sessions: int = responses.MAX_RESPONSE_SESSIONS,
         digest: DigestProbe | None = None,
+        instance_id: str = "",
     ) -> None:
         if not model_names:
             raise ValueError("the gateway needs at least one model name")
@@ -161,6 +162,7 @@ class GatewayApp:
         self.health = health
         self.stats = stats
         self.digest = digest
+        self.instance_id = instance_id  # /health's "instance", when set
         self.metrics = metrics or GatewayMetrics(self.model_name, context_len)
         self.bodies = RequestBodies(max_body_bytes, body_timeout_s)
         self.responder = GenerationResponder(client, self.metrics, keepalive_s)
@@ -552,7 +554,10 @@ class GatewayApp:
             body = {"status": "unavailable", "down": down}
             await send_response(send, 503, _json.encode(body))
         else:
-            await send_response(send, 200, _json.encode({"status": "ok", "actors": list(status)}))
+            body = {"status": "ok", "actors": list(status)}
+            if self.instance_id:
+                body["instance"] = self.instance_id
+            await send_response(send, 200, _json.encode(body))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         scheduler, kv = await self.stats()
