@@ -113,11 +113,12 @@ async def one_session(
     turns in flight across sessions; `gate` holds it after --restart-after-turn turns
     until the server is back."""
     rng = random.Random(args.seed * 1000 + index)
-    created = await client.post("/v1/sessions", json={"ttl_s": 3600})
-    created.raise_for_status()
-    sid = created.json()["id"]
+    sid = ""
     prompt, previous = "", None
     try:
+        created = await client.post("/v1/sessions", json={"ttl_s": 3600})
+        created.raise_for_status()
+        sid = created.json()["id"]
         for k in range(args.turns):
             new = words_for(rng.randrange(1 << 30), vocabulary, args.new_tokens)
             prompt = f"{prompt}{previous.text if previous else ''}\n{new}\n"
@@ -152,34 +153,48 @@ async def one_session(
     finally:
         if gate is not None:
             gate.leave()  # a session that ends early does not hold the others
-        await client.delete(f"/v1/sessions/{sid}")
+        if sid:
+            await client.delete(f"/v1/sessions/{sid}")
 
 
 class RestartGate:
     """Every session's arrival after its K-th turn, then one restart of the server, then
-    all go on. A session that ends without arriving (an error) leaves instead."""
+    all go on. A session that ends without arriving (an error) leaves instead. A restart
+    that fails is raised in every session that arrived (none waits on forever)."""
 
     def __init__(self, parties: int, restart) -> None:
         self.waiting_for = parties
         self.restart = restart  # async () -> None
         self.arrived: set[asyncio.Task] = set()
         self.done = asyncio.Event()
+        self.failed: BaseException | None = None
+        self._restarts: set[asyncio.Task] = set()  # referenced until they end
 
     async def arrive(self) -> None:
         self.arrived.add(asyncio.current_task())
         await self._count_down()
         await self.done.wait()
+        if self.failed is not None:
+            raise RuntimeError("the server's restart failed") from self.failed
 
     def leave(self) -> None:
-        if asyncio.current_task() not in self.arrived and not self.done.is_set():
-            self.arrived.add(asyncio.current_task())
-            asyncio.ensure_future(self._count_down())
+        task = asyncio.current_task()
+        if task in self.arrived or self.done.is_set() or (task and task.cancelling()):
+            return  # arrived already, too late to matter, or the whole run is ending
+        self.arrived.add(task)
+        pending = asyncio.ensure_future(self._count_down())
+        self._restarts.add(pending)
+        pending.add_done_callback(self._restarts.discard)
 
     async def _count_down(self) -> None:
         self.waiting_for -= 1
         if self.waiting_for == 0:
-            await self.restart()
-            self.done.set()
+            try:
+                await self.restart()
+            except Exception as exc:  # raised in the sessions that arrived (`arrive`)
+                self.failed = exc
+            finally:
+                self.done.set()
 
 
 async def drive(base_url: str, args, restart=None) -> tuple[Run, dict]:
@@ -354,7 +369,11 @@ def after_restart(run: Run, args) -> dict:
     of it came back cached from the store."""
     if not args.restart_after_turn:
         return {}
-    first = [t for t in run.turns if t.turn == args.restart_after_turn and not t.error]
+    first = [
+        t
+        for t in run.turns
+        if t.turn == args.restart_after_turn and not t.error and t.history_tokens > 0
+    ]
     history = sum(t.history_tokens for t in first)
     cached = sum(min(t.cached_tokens, t.history_tokens) for t in first)
     shares = sorted(min(t.cached_tokens, t.history_tokens) / t.history_tokens for t in first)
