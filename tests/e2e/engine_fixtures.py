@@ -87,6 +87,20 @@ def save_tiny_llama(folder, vocab_size: int, max_position_embeddings: int = 512)
 TINY_LLAMA_VOCAB = 300
 
 
+def hf_tokenizer(tok):
+    """A `tokenizers.Tokenizer` as a transformers fast tokenizer with the tiny models'
+    special tokens (<s>, </s>, <unk>, <pad>: ids 1, 2, 3, 0 in their vocabularies)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+
+
 def tiny_llama_folder(root):
     """A random-weight Llama with a word-level tokenizer, a chat template and a
     generation_config.json, saved as a Hugging Face folder."""
@@ -94,7 +108,6 @@ def tiny_llama_folder(root):
 
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
 
     folder = root / "tiny-llama"
     save_tiny_llama(folder, TINY_LLAMA_VOCAB)
@@ -102,13 +115,7 @@ def tiny_llama_folder(root):
     vocab |= {f"w{i}": i for i in range(4, TINY_LLAMA_VOCAB)}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-    )
+    hf_tok = hf_tokenizer(tok)
     hf_tok.chat_template = (
         "{% for m in messages %}{{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}w9{% endif %}"

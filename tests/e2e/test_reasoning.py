@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from actors.reasoning import reasoning_format
-from tests.e2e.engine_fixtures import save_tiny_llama
+from tests.e2e.engine_fixtures import hf_tokenizer, save_tiny_llama
 from tests.e2e.server_fixtures import start_server, stop_server
 
 pytestmark = [pytest.mark.model]
@@ -61,7 +61,6 @@ def tiny_reasoning_model(root: Path, parser: str) -> Path:
     parser's chat template, saved as a Hugging Face folder."""
     from tokenizers import AddedToken, Tokenizer, decoders
     from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
 
     folder = root / f"tiny-{parser}"
     save_tiny_llama(folder, len(VOCAB))
@@ -72,13 +71,7 @@ def tiny_reasoning_model(root: Path, parser: str) -> Path:
     tok.add_tokens(
         [AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")]
     )
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-    )
+    hf_tok = hf_tokenizer(tok)
     hf_tok.chat_template = TEMPLATES[parser]
     hf_tok.save_pretrained(folder)
     return folder

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.engine_fixtures import save_tiny_llama
+from tests.e2e.engine_fixtures import hf_tokenizer, save_tiny_llama
 from tests.e2e.server_fixtures import start_server, stop_server
 
 pytestmark = [pytest.mark.model]
@@ -72,7 +72,6 @@ def tiny_char_llama(root: Path) -> Path:
     """A random-weight Llama whose tokens are single characters, so any text is spelled."""
     from tokenizers import Tokenizer, decoders
     from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
 
     folder = root / "tiny-char-llama"
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
@@ -82,13 +81,7 @@ def tiny_char_llama(root: Path) -> Path:
     save_tiny_llama(folder, len(vocab), max_position_embeddings=4096)
     tok = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-    )
+    hf_tok = hf_tokenizer(tok)
     hf_tok.save_pretrained(folder)
     return folder
 
