@@ -468,6 +468,7 @@ class ModelRunnerActor(Actor):
                 "compiled steps ready",
                 compile_s=round(compiled.compile_s, 1),
                 max_tokens=compiled.max_tokens,
+                dynamo_bypassed=compiled.direct_ready,
             )
             frozen = freeze_survivors(lambda: not self._stopping)
             if frozen is not None:
@@ -684,6 +685,7 @@ class ModelRunnerActor(Actor):
             "runner_forward_s": round(self.forward_s, 3),
             "runner_compiled_ready": int(compiled is not None and compiled.ready),
             "runner_compiled_steps": 0 if compiled is None else compiled.steps,
+            "runner_compiled_direct_steps": 0 if compiled is None else compiled.direct_steps,
             "runner_compile_fallbacks": 0 if compiled is None else compiled.fallbacks,
         }
 

@@ -32,6 +32,12 @@ two compiles serve every batch and context. Invariants the callers rely on:
   (`skip_guard_eval_unsafe`, torch 2.13; vLLM's compiled models skip guards once warmed up
   too). Any other step is checked in full, and runs eagerly where a guard fails. A module
   swapped inside the model after compiling would go unseen: nothing does that.
+- Such a known step does not enter Dynamo at all: it calls the code Dynamo produced for
+  its graph (one row, or two and more) directly, as vLLM's compiled models dispatch to
+  their captured code. Even the skipped guards' lookup costs a few hundred microseconds a
+  step, Python on the step's critical path. That code is taken from Dynamo's cache right
+  after each warm-up compile and checked to give the guarded call's result on both
+  warm-ups; where either fails, known steps keep the guard-skipping call.
 
 Compiled code is cached on disk (Inductor's FX graph cache) under `cache_root()`: one folder
 per torch version and CPU (capability and flags), so a restart traces the graph again but
@@ -72,6 +78,11 @@ DEFAULT_MAX_TOKENS = 32
 # extending a 3,300-token context by 6 rows would gather 2.5 GiB more.
 MAX_EXTRA_GATHER_BYTES = 512 << 20
 _INSTANCES = itertools.count(1)
+# Inductor's options for the step graphs. Its generated wrapper checks every extern kernel's
+# output size and stride, and its inputs' alignment, in Python on each call (some 380
+# checks a one-row step of Gemma 3 270M): debugging aids, off here as in production
+# builds. tests/model/test_compiled_step.py compares the graphs' results with eager steps.
+GRAPH_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 _CACHE_FOLDER_LOCK = threading.Lock()
 
 
@@ -242,6 +253,10 @@ class CompiledStep:
         self.guarded = 0  # steps whose inputs `known` refused: Dynamo's guards checked them
         self._compiled = None
         self._traced_for: tuple | None = None  # what `known` compares a step's inputs with
+        # Dynamo's code for each graph, called without Dynamo (see the module doc): index 0
+        # the one-row graph, 1 the graph of two and more rows; None: not captured
+        self._direct: tuple | None = None
+        self.direct_steps = 0  # steps that called it
 
     # -- the body, traced --------------------------------------------------------------
     def body(self, input_ids, positions, out_slots, full_slots, full_mask, sl_slots, sl_mask):
@@ -268,22 +283,48 @@ class CompiledStep:
         try:
             use_cache_root()
             with torch.inference_mode():
-                compiled = torch.compile(self._own_body(), fullgraph=True)
+                body = self._own_body()
+                compiled = torch.compile(body, fullgraph=True, options=GRAPH_OPTIONS)
+                codes = {}
                 # rows symbolic (>= 2), then one row: a graph of its own (see the module doc)
                 for rows in (3, 1):
+                    before = _dynamo_codes(body)
                     args = self._warmup_inputs(rows).as_args()
                     lane_dims = ((), (), (), (1,), (3,), (1,), (3,))
                     for tensor, dims in zip(args, lane_dims):
                         for dim in (*dims, 0) if rows > 1 else dims:
                             torch._dynamo.mark_dynamic(tensor, dim)
                     compiled(*args)
+                    new = [c for c in _dynamo_codes(body) if all(c is not b for b in before)]
+                    codes[rows > 1] = new[0] if len(new) == 1 else None
                 self._compiled = compiled
                 self._traced_for = (ex_state(self.executor), _layouts(args))
+                self._direct = self._checked_direct(body, codes)
         except Exception as exc:  # noqa: BLE001 - any compiler failure leaves eager mode
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             return
         self.compile_s = time.perf_counter() - start
         self.ready = True
+
+    @property
+    def direct_ready(self) -> bool:
+        """Whether known steps call Dynamo's code directly (see the module doc)."""
+        return self._direct is not None
+
+    def _checked_direct(self, body, codes: dict) -> tuple | None:
+        """Dynamo's code for each graph as plain functions, where both were captured and
+        each gives the guarded call's result on fresh warm-up inputs; else None."""
+        if codes.get(False) is None or codes.get(True) is None:
+            return None
+        func = body.__func__
+        direct = tuple(types.FunctionType(codes[i], func.__globals__) for i in (False, True))
+        for rows in (1, 3):
+            args = self._warmup_inputs(rows).as_args()
+            with torch.compiler.set_stance("fail_on_recompile"):
+                guarded = self._compiled(*args)
+            if not torch.equal(direct[rows > 1](self, *args), guarded):
+                return None
+        return direct
 
     def _own_body(self):
         """`body` bound to this instance through a code object of its own: Dynamo keeps its
@@ -366,6 +407,12 @@ class CompiledStep:
         args = inputs.as_args()
         skip = self.known(args)
         self.guarded += not skip
+        if skip and self._direct is not None:
+            with torch.inference_mode():
+                hidden = self._direct[args[0].shape[0] > 1](self, *args)
+            self.steps += 1
+            self.direct_steps += 1
+            return hidden
         try:
             with (
                 torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=skip),
@@ -379,6 +426,16 @@ class CompiledStep:
             return None
         self.steps += 1
         return hidden
+
+
+def _dynamo_codes(fn) -> list:
+    """The code objects Dynamo compiled for `fn`'s code, newest first ([] where this torch
+    does not say)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return []
+    return [entry.code for entry in _debug_get_cache_entry_list(fn.__func__.__code__)]
 
 
 def ex_state(executor) -> tuple[int, ...]:

@@ -73,6 +73,8 @@ async def test_compiled_engine_serves_the_eager_engines_tokens(tokenizer):
         await settle(compiled)
     steps = after["runner_compiled_steps"] - before["runner_compiled_steps"]
     assert steps >= 40, after  # the graph served (not a silent eager fallback)
+    direct = after["runner_compiled_direct_steps"] - before["runner_compiled_direct_steps"]
+    assert direct >= 40, after  # ... called without entering Dynamo
     assert after["runner_compile_fallbacks"] == 0
     assert spec.spec_accepted_tokens > 0  # verification rows went through it too
     for reference, outputs in ((singly, alone), (singly, together)):

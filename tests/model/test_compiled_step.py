@@ -162,7 +162,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
 def test_decode_rows_match_eager(executor):
     lens = [3, 9, 20, 40]  # shorter and longer than the sliding window of 8
     _prefill(executor, lens)
-    guarded = executor.compiled.guarded
+    guarded, direct = executor.compiled.guarded, executor.compiled.direct_steps
     for n in (1, 2, 4):
         rows = list(range(n))
 
@@ -175,6 +175,33 @@ def test_decode_rows_match_eager(executor):
         for a, b in zip(kv_compiled, kv_eager):
             _close(a, b, 1e-5)
     assert executor.compiled.guarded == guarded  # every step skipped Dynamo's guards
+    assert executor.compiled.direct_steps == direct + 3  # ... and Dynamo: its code, called
+
+
+def test_dynamo_bypass_gives_the_guarded_graphs_result(executor):
+    # A known step calls the code Dynamo compiled for its graph without entering Dynamo;
+    # the same inputs through Dynamo (guards skipped) must give the same tensor, for the
+    # one-row graph and the graph of several rows, with the slots written the same.
+    lens = [6, 13, 25]
+    _prefill(executor, lens)
+    compiled = executor.compiled
+    assert compiled.direct_ready
+    for rows in ([1], [0, 1, 2]):
+        with torch.inference_mode():
+            meta = executor._build(
+                ForwardBatch.decode(rows, [lens[r] for r in rows], [9] * len(rows))
+            )
+            inputs = compiled.inputs(meta, meta.extra[0])
+        direct = compiled._direct
+        try:
+            compiled._direct = None
+            through_dynamo = compiled.run(inputs)
+        finally:
+            compiled._direct = direct
+        before = compiled.direct_steps
+        bypassed = compiled.run(inputs)
+        assert compiled.direct_steps == before + 1
+        assert torch.equal(bypassed, through_dynamo)
 
 
 def test_draft_verification_and_prefill_chunks_match_eager(executor):
