@@ -125,7 +125,7 @@ class SpeculativeSection(_Section):
     # Speculative decoding with drafters that need no second model: "ngram" (prompt lookup
     # in the request's own tokens), "suffix" (that, and earlier requests' outputs), "none".
     method: Literal["none", "ngram", "suffix"] = "ngram"
-    num_speculative_tokens: int = 4  # draft tokens a request verifies per step at first
+    num_speculative_tokens: int = 3  # draft tokens a request verifies per step at first
     max_speculative_tokens: int = 16  # doubled up to this while every draft is accepted
     prompt_lookup_min: int = 2  # the shortest tail n-gram a draft is looked up by
     prompt_lookup_max: int = 4  # the longest (tried first)

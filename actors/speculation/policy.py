@@ -8,9 +8,11 @@ Pure Python (no torch, no actors). Two rules (measurements: docs/benchmarks.md):
 - Per request: drafts that keep being rejected cost a wider forward for nothing, so a request
   whose drafts were all rejected `MISS_LIMIT` steps in a row stops drafting for a pause that
   doubles with each further miss (up to `MAX_PAUSE` steps) and is reset by any acceptance.
-- How far: a request drafts `num_speculative_tokens` at first; a step that accepts all of
-  them doubles its width (up to `max_speculative_tokens`: long copies verify many tokens a
-  step, for little more than one token's forward), and any rejection brings it back.
+- How far: a request drafts `num_speculative_tokens` at first (3 by default: with the
+  token it verifies, 4 rows, the most the CPU linears' blocks kernel takes); a step that
+  accepts all of them doubles its width (up to `max_speculative_tokens`: long copies verify
+  many tokens a step, for little more than one token's forward), and any rejection brings
+  it back.
 
 A sampled request with a seed never drafts (`Speculator.may_draft`): its tokens must not
 depend on the load. A request's drafts never reach past what it may still emit: k <= its
@@ -91,7 +93,7 @@ class SpeculationConfig:
     """The `[speculative]` config section, as the scheduler takes it."""
 
     method: str = "none"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 3
     max_speculative_tokens: int = 16
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
