@@ -469,6 +469,7 @@ class ModelRunnerActor(Actor):
                 compile_s=round(compiled.compile_s, 1),
                 max_tokens=compiled.max_tokens,
                 dynamo_bypassed=compiled.direct_ready,
+                dynamo_bypass_error=compiled.direct_failed,
             )
             frozen = freeze_survivors(lambda: not self._stopping)
             if frozen is not None:

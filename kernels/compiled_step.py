@@ -22,22 +22,24 @@ two compiles serve every batch and context. Invariants the callers rely on:
 - A step whose rows would gather MAX_EXTRA_GATHER_BYTES more K/V than the eager path
   (`extra_gather_bytes`: rows sharing a long context each gather all of it) runs eagerly.
 - Serving never compiles: after `compile()` the stance is "fail on recompile", and a step
-  whose shapes would need one runs eagerly instead (logged once).
+  `known` refuses, whose shapes would need a new graph, runs eagerly instead (counted).
 - Dynamo's guards (some 1,500 checks a graph on the model's modules and the inputs) are not
   evaluated for a step whose inputs `CompiledStep.known` accepts: each tensor of the dtype,
   device, rank and layout the graphs were compiled for, lanes >= 2, and the executor's
-  model and KV pool the same objects. Dynamo then checks only what tells the two graphs
-  apart and what it keeps by default (the input tensors' own checks, shape ranges, global
-  state); it skips those on the modules, their parameters and constants
-  (`skip_guard_eval_unsafe`, torch 2.13; vLLM's compiled models skip guards once warmed up
-  too). Any other step is checked in full, and runs eagerly where a guard fails. A module
-  swapped inside the model after compiling would go unseen: nothing does that.
-- Such a known step does not enter Dynamo at all: it calls the code Dynamo produced for
-  its graph (one row, or two and more) directly, as vLLM's compiled models dispatch to
-  their captured code. Even the skipped guards' lookup costs a few hundred microseconds a
-  step, Python on the step's critical path. That code is taken from Dynamo's cache right
-  after each warm-up compile and checked to give the guarded call's result on both
-  warm-ups; where either fails, known steps keep the guard-skipping call.
+  model and KV pool the same objects, and the inputs' shapes consistent with each other
+  (one row count; each mask [T, 1, 1, lanes] with its slots' lanes). Any other step is
+  checked in full, and runs eagerly where a guard fails. A module swapped inside the model
+  after compiling would go unseen: nothing does that.
+- A known step does not enter Dynamo at all: it calls the code Dynamo produced for its
+  graph (one row, or two and more, chosen by its row count) directly, as vLLM's compiled
+  models dispatch to their captured code. Even with the guards skipped, Dynamo's lookup
+  cost a few hundred microseconds a step, Python on the step's critical path. That code is
+  taken from Dynamo's cache right after each warm-up compile and checked to give the
+  guarded call's result on both warm-ups. Where the capture or the check fails (the reason
+  is kept in `direct_failed`), known steps go through Dynamo with its guards skipped
+  except those that tell the two graphs apart and those it keeps by default (the inputs'
+  own checks, shape ranges, global state): `skip_guard_eval_unsafe`, torch 2.13; vLLM's
+  compiled models skip guards once warmed up too.
 
 Compiled code is cached on disk (Inductor's FX graph cache) under `cache_root()`: one folder
 per torch version and CPU (capability and flags), so a restart traces the graph again but
@@ -80,8 +82,8 @@ MAX_EXTRA_GATHER_BYTES = 512 << 20
 _INSTANCES = itertools.count(1)
 # Inductor's options for the step graphs. Its generated wrapper checks every extern kernel's
 # output size and stride, and its inputs' alignment, in Python on each call (some 380
-# checks a one-row step of Gemma 3 270M): debugging aids, off here as in production
-# builds. tests/model/test_compiled_step.py compares the graphs' results with eager steps.
+# checks a one-row step of Gemma 3 270M): debugging aids, off here (`known` checks the
+# inputs' shapes; tests/model/test_compiled_step.py compares the graphs with eager steps).
 GRAPH_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 _CACHE_FOLDER_LOCK = threading.Lock()
 
@@ -256,7 +258,9 @@ class CompiledStep:
         # Dynamo's code for each graph, called without Dynamo (see the module doc): index 0
         # the one-row graph, 1 the graph of two and more rows; None: not captured
         self._direct: tuple | None = None
+        self.direct_failed: str | None = None  # why not, where compiled but not captured
         self.direct_steps = 0  # steps that called it
+        self.direct_by_graph = [0, 0]  # ... the one-row graph's, the wider graph's
 
     # -- the body, traced --------------------------------------------------------------
     def body(self, input_ids, positions, out_slots, full_slots, full_mask, sl_slots, sl_mask):
@@ -288,18 +292,19 @@ class CompiledStep:
                 codes = {}
                 # rows symbolic (>= 2), then one row: a graph of its own (see the module doc)
                 for rows in (3, 1):
-                    before = _dynamo_codes(body)
+                    before = _dynamo_codes(body) or []
                     args = self._warmup_inputs(rows).as_args()
                     lane_dims = ((), (), (), (1,), (3,), (1,), (3,))
                     for tensor, dims in zip(args, lane_dims):
                         for dim in (*dims, 0) if rows > 1 else dims:
                             torch._dynamo.mark_dynamic(tensor, dim)
                     compiled(*args)
-                    new = [c for c in _dynamo_codes(body) if all(c is not b for b in before)]
+                    after = _dynamo_codes(body) or []
+                    new = [c for c in after if all(c is not b for b in before)]
                     codes[rows > 1] = new[0] if len(new) == 1 else None
                 self._compiled = compiled
                 self._traced_for = (ex_state(self.executor), _layouts(args))
-                self._direct = self._checked_direct(body, codes)
+                self._direct, self.direct_failed = self._checked_direct(body, codes)
         except Exception as exc:  # noqa: BLE001 - any compiler failure leaves eager mode
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             return
@@ -311,20 +316,26 @@ class CompiledStep:
         """Whether known steps call Dynamo's code directly (see the module doc)."""
         return self._direct is not None
 
-    def _checked_direct(self, body, codes: dict) -> tuple | None:
-        """Dynamo's code for each graph as plain functions, where both were captured and
-        each gives the guarded call's result on fresh warm-up inputs; else None."""
+    def _checked_direct(self, body, codes: dict) -> tuple[tuple | None, str | None]:
+        """(Dynamo's code for each graph as plain functions, None) where both were captured
+        and each gives the guarded call's result on fresh warm-up inputs; else (None, why).
+        Never raises: without the bypass the compiled steps still serve."""
         if codes.get(False) is None or codes.get(True) is None:
-            return None
-        func = body.__func__
-        direct = tuple(types.FunctionType(codes[i], func.__globals__) for i in (False, True))
-        for rows in (1, 3):
-            args = self._warmup_inputs(rows).as_args()
-            with torch.compiler.set_stance("fail_on_recompile"):
-                guarded = self._compiled(*args)
-            if not torch.equal(direct[rows > 1](self, *args), guarded):
-                return None
-        return direct
+            return None, "Dynamo's code for each graph not found in its cache"
+        try:
+            func = body.__func__
+            direct = tuple(types.FunctionType(codes[i], func.__globals__) for i in (False, True))
+            for rows in (1, 3):
+                # as `compile` traced them: inference tensors, in inference mode
+                with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
+                    args = self._warmup_inputs(rows).as_args()
+                    guarded = self._compiled(*args)
+                    bypassed = direct[rows > 1](self, *args)
+                if not torch.equal(bypassed, guarded):
+                    return None, f"the captured {rows}-row graph differs from the guarded call"
+        except Exception as exc:  # noqa: BLE001 - a private API's change costs only the bypass
+            return None, f"{type(exc).__name__}: {exc}"
+        return direct, None
 
     def _own_body(self):
         """`body` bound to this instance through a code object of its own: Dynamo keeps its
@@ -398,8 +409,18 @@ class CompiledStep:
         for (see the module doc), so Dynamo's guards may be skipped."""
         if self._traced_for is None or ex_state(self.executor) != self._traced_for[0]:
             return False
-        lanes_ok = args[3].shape[1] >= 2 and args[5].shape[1] >= 2 and args[0].shape[0] >= 1
-        return lanes_ok and _layouts(args) == self._traced_for[1]
+        if _layouts(args) != self._traced_for[1]:
+            return False
+        rows, lanes, sliding_lanes = args[0].shape[0], args[3].shape[1], args[5].shape[1]
+        return (
+            rows >= 1
+            and lanes >= 2
+            and sliding_lanes >= 2
+            and args[1].shape[0] == args[2].shape[0] == rows
+            and args[3].shape[0] == args[5].shape[0] == rows
+            and tuple(args[4].shape) == (rows, 1, 1, lanes)
+            and tuple(args[6].shape) == (rows, 1, 1, sliding_lanes)
+        )
 
     def run(self, inputs: StepInputs) -> Tensor | None:
         """Hidden states [T, hidden], or None where the graph
@@ -408,10 +429,12 @@ class CompiledStep:
         skip = self.known(args)
         self.guarded += not skip
         if skip and self._direct is not None:
+            wide = args[0].shape[0] > 1
             with torch.inference_mode():
-                hidden = self._direct[args[0].shape[0] > 1](self, *args)
+                hidden = self._direct[wide](self, *args)
             self.steps += 1
             self.direct_steps += 1
+            self.direct_by_graph[wide] += 1
             return hidden
         try:
             with (
@@ -428,14 +451,15 @@ class CompiledStep:
         return hidden
 
 
-def _dynamo_codes(fn) -> list:
-    """The code objects Dynamo compiled for `fn`'s code, newest first ([] where this torch
-    does not say)."""
+def _dynamo_codes(fn) -> list | None:
+    """The code objects Dynamo compiled for `fn`'s code, newest first (None where this
+    torch does not say: a private API)."""
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:
-        return []
-    return [entry.code for entry in _debug_get_cache_entry_list(fn.__func__.__code__)]
+
+        return [entry.code for entry in _debug_get_cache_entry_list(fn.__func__.__code__)]
+    except Exception:  # noqa: BLE001 - then known steps keep the guard-skipping call
+        return None
 
 
 def ex_state(executor) -> tuple[int, ...]:

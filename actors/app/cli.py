@@ -185,7 +185,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "--speculative-config",
         metavar="JSON",
         help='speculative decoding as vLLM\'s, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (methods: ngram, suffix)',
+        '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (methods: ngram, suffix)',
     )
     serve.add_argument("--zmq", help="ZeroMQ client endpoint, e.g. tcp://127.0.0.1:5557")
     serve.add_argument(

@@ -163,6 +163,7 @@ def test_decode_rows_match_eager(executor):
     lens = [3, 9, 20, 40]  # shorter and longer than the sliding window of 8
     _prefill(executor, lens)
     guarded, direct = executor.compiled.guarded, executor.compiled.direct_steps
+    by_graph = list(executor.compiled.direct_by_graph)
     for n in (1, 2, 4):
         rows = list(range(n))
 
@@ -176,6 +177,8 @@ def test_decode_rows_match_eager(executor):
             _close(a, b, 1e-5)
     assert executor.compiled.guarded == guarded  # every step skipped Dynamo's guards
     assert executor.compiled.direct_steps == direct + 3  # ... and Dynamo: its code, called
+    # one step of one row (its own graph), two of two and four rows (the wider graph)
+    assert executor.compiled.direct_by_graph == [by_graph[0] + 1, by_graph[1] + 2]
 
 
 def test_dynamo_bypass_gives_the_guarded_graphs_result(executor):
@@ -202,6 +205,23 @@ def test_dynamo_bypass_gives_the_guarded_graphs_result(executor):
         bypassed = compiled.run(inputs)
         assert compiled.direct_steps == before + 1
         assert torch.equal(bypassed, through_dynamo)
+
+
+def test_a_failed_capture_keeps_the_compiled_steps_through_dynamo(executor):
+    # Dynamo's cache is a private API: whatever it gives that is missing, not code, or the
+    # wrong graph's code leaves the bypass off with a reason, never the compile failed.
+    compiled = executor.compiled
+    one_row, wider = compiled._direct
+    body = compiled._own_body()
+    direct, why = compiled._checked_direct(body, {False: None, True: wider.__code__})
+    assert direct is None and "not found" in why
+    direct, why = compiled._checked_direct(body, {False: one_row.__code__, True: 42})
+    assert direct is None and why.startswith("TypeError")
+    swapped = {False: wider.__code__, True: one_row.__code__}
+    direct, why = compiled._checked_direct(body, swapped)
+    assert direct is None and why, (direct, why)
+    right = compiled._checked_direct(body, {False: one_row.__code__, True: wider.__code__})
+    assert right[0] is not None, right
 
 
 def test_draft_verification_and_prefill_chunks_match_eager(executor):
