@@ -441,6 +441,7 @@ def summarize(outcomes: list[Outcome], duration: float, concurrency: int | None)
     output = sum(o.output_tokens for o in ok)
     cached = sum(o.cached_tokens for o in ok)
     itl = [x for o in ok for x in o.itl]
+    tpot = [tpot_of(o) for o in ok if o.output_tokens > 1]
     return {
         "max_concurrency": concurrency,
         "completed": len(ok),
@@ -457,13 +458,22 @@ def summarize(outcomes: list[Outcome], duration: float, concurrency: int | None)
         "cache_hit_rate": cached / prompt if prompt else 0.0,
         "ttft_s": _stats([o.ttft for o in ok]),
         "itl_s": _stats(itl),
+        "tpot_s": _stats(tpot),
         "e2e_s": _stats([o.e2e for o in ok]),
         "samples": {
             "ttft_s": [o.ttft for o in ok],
             "e2e_s": [o.e2e for o in ok],
             "itl_s": itl,
+            "tpot_s": tpot,
         },
     }
+
+
+def tpot_of(outcome: Outcome) -> float:
+    """A request's time per output token after its first (SGLang's and vLLM's TPOT). Its
+    ITL samples are the gaps between chunks; a server that streams several tokens a chunk
+    (speculative decoding) has fewer, longer gaps, and TPOT still compares per token."""
+    return (outcome.e2e - outcome.ttft) / (outcome.output_tokens - 1)
 
 
 def _print(summary: dict) -> None:
@@ -475,7 +485,8 @@ def _print(summary: dict) -> None:
         f" tok/s, total {summary['total_token_throughput']:.1f} tok/s | TTFT mean "
         f"{summary['ttft_s']['mean'] * 1e3:.0f} ms p99 {summary['ttft_s']['p99'] * 1e3:.0f} | "
         f"ITL mean {summary['itl_s']['mean'] * 1e3:.1f} ms p99 "
-        f"{summary['itl_s']['p99'] * 1e3:.1f} | E2E mean {summary['e2e_s']['mean']:.2f} s | "
+        f"{summary['itl_s']['p99'] * 1e3:.1f} | TPOT mean {summary['tpot_s']['mean'] * 1e3:.1f}"
+        f" ms | E2E mean {summary['e2e_s']['mean']:.2f} s | "
         f"cached {summary['cached_tokens']} tokens ({summary['cache_hit_rate']:.0%})",
         flush=True,
     )

@@ -86,3 +86,16 @@ def test_a_request_the_server_began_answering_is_not_sent_again():
     assert summary["completed"] == 0 and summary["failed"] == 1
     assert summary["resent_after_stale_connection"] == 0
     assert seen["requests"] == 1
+
+
+def test_tpot_counts_tokens_where_itl_counts_chunks():
+    # Two requests of 9 tokens over 80 ms after their first: one streamed a token a chunk
+    # (8 gaps of 10 ms), one four tokens a chunk (2 gaps of 40 ms): ITL differs, TPOT not.
+    one = serve.Outcome(ok=True, ttft=0.05, e2e=0.13, itl=[0.01] * 8, output_tokens=9)
+    four = serve.Outcome(ok=True, ttft=0.05, e2e=0.13, itl=[0.04] * 2, output_tokens=9)
+    alone = serve.Outcome(ok=True, ttft=0.05, e2e=0.05, output_tokens=1)  # no gap at all
+    summary = serve.summarize([one, four, alone], 1.0, 1)
+    assert summary["tpot_s"]["p50"] == summary["tpot_s"]["p99"]
+    assert abs(summary["tpot_s"]["mean"] - 0.01) < 1e-9
+    assert len(summary["samples"]["tpot_s"]) == 2
+    assert summary["itl_s"]["p99"] > 3 * summary["itl_s"]["p50"]

@@ -52,13 +52,15 @@ def test_random_dataset_with_fixed_lengths(server, tmp_path):
     assert run["completed"] == 4 and run["failed"] == 0
     assert run["output_tokens"] == 16 and run["input_tokens"] >= 4 * 20
     assert run["max_concurrency"] == 2
-    for key in ("ttft_s", "itl_s", "e2e_s"):
+    for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
         assert set(run[key]) == {"mean", "p50", "p90", "p99"}
         assert run[key]["p99"] >= run[key]["p50"] >= 0
     assert 0 < run["ttft_s"]["mean"] <= run["e2e_s"]["mean"]
     # ITL is between content chunks: at most 3 gaps per 4-token request (a token whose text
     # the detokenizer holds back rides in the next chunk).
     assert 4 <= len(run["samples"]["itl_s"]) <= 4 * 3
+    # TPOT is per token: each request's time after its first token over its 3 others
+    assert len(run["samples"]["tpot_s"]) == 4 and run["tpot_s"]["p50"] > 0
     assert (tmp_path / "plots" / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
 
 
