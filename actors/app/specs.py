@@ -333,6 +333,7 @@ def engine_specs(cfg: EngineConfig, frontend: FrontendActor) -> list[ActorSpec]:
             "actors.tokenizer.actor:TokenizerActor",
             dict(
                 context_len=kv.context_len,
+                kv_tokens=num_pages * kv.page_size,
                 model=model_path,
                 chat_template=read_chat_template(cfg),
                 tool_call_parser=tool_call_format(cfg),

@@ -38,6 +38,7 @@ from actors.tokenizer.validation import (
     BadRequest,
     Overloaded,
     Unavailable,
+    check_fits_kv_pool,
     check_params,
     check_prompt_ids,
     check_prompt_size,
@@ -158,7 +159,12 @@ class TokenizerActor(Actor):
         grammar_max_bytes: int = GRAMMAR_MAX_BYTES,
         grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES,
         tool_call_parser: str = "auto",
+        kv_tokens: int = 0,
     ):
+        # The KV pool's positions (kv.num_pages x kv.page_size; 0: not known here): a prompt
+        # it cannot hold, even alone, is refused at submission (400) instead of waiting and
+        # then ending with no token.
+        self.kv_tokens = kv_tokens
         self.tool_call_parser = tool_call_parser  # the format tool-call history is written in
         self.template_timeout_s = template_timeout_s
         self.runner_name = runner
@@ -415,6 +421,7 @@ class TokenizerActor(Actor):
             # grammar (reason first, or answer at once or after a <think> block).
             grammar_key = await self._grammar_key(_after_reasoning(msg.params, tail))
         p = fit_to_context(msg.params, len(ids), self.context_len)
+        check_fits_kv_pool(len(ids), self.kv_tokens)
         rid = next(self._rids)
         if msg.session_id:
             p = await self._begin_turn(msg.session_id, rid, len(ids), p)

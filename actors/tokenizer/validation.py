@@ -64,6 +64,18 @@ def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
         raise BadRequest(f"prompt: token ids {bad[:5]} outside the vocabulary")
 
 
+def check_fits_kv_pool(prompt_len: int, kv_tokens: int) -> None:
+    """Refuse a prompt the whole KV pool cannot hold (`kv_tokens`: its positions; 0:
+    unknown). Such a request could never run: it would wait, then be cut short with nothing
+    generated. (A prompt that fills the pool exactly still gives its first token, sampled
+    from the prompt's own last position.)"""
+    if kv_tokens and prompt_len > kv_tokens:
+        raise BadRequest(
+            f"prompt is {prompt_len} tokens; this server's KV cache holds {kv_tokens} tokens "
+            "in all (kv.num_pages x kv.page_size), so it can never run here"
+        )
+
+
 def fit_to_context(p: GenerationParams, prompt_len: int, context_len: int) -> GenerationParams:
     """Refuse a prompt that leaves no room to generate; cap max_tokens at the room left, or
     refuse it there when the client set it (`max_tokens_strict`)."""

@@ -226,18 +226,29 @@ async def test_tiny_pool_64_requests_complete_with_retraction(tiny_engine, engin
         assert got.token_ids == ref.token_ids
 
 
-async def test_a_prompt_the_pool_cannot_hold_is_told_so_and_the_engine_serves_on(
+async def test_a_prompt_the_pool_cannot_hold_is_refused_and_the_engine_serves_on(
     tiny_engine, tokenizer
 ):
-    """40 pages of 4 slots hold 160 tokens: a 300-token prompt cannot run even alone. Its
-    client is told the KV cache had no room (not that the model runner failed), nothing
-    leaks, and the next request is served."""
+    """40 pages of 4 slots hold 160 tokens: a prompt of 161 cannot run even alone. It is
+    refused at submission as bad input, naming the pool (it used to wait, then end with no
+    token), changes nothing, and the next requests are served, one of them filling the
+    pool: its first token comes from the prompt's last position."""
     ids = [tokenizer.bos_id] + tokenizer.encode(natural_text(), add_special_tokens=False)[:299]
+    before = await tiny_engine.kv_stats()
+    steps = (await tiny_engine.scheduler_stats()).steps
     with pytest.raises(GenerationError) as info:
-        async for _ in tiny_engine.client.generate(GenerationParams(max_tokens=4), prompt_ids=ids):
+        async for _ in tiny_engine.client.generate(
+            GenerationParams(max_tokens=4), prompt_ids=ids[:161]
+        ):
             pass
-    assert "KV cache had no room" in info.value.message, info.value.message
-    assert "runner" not in info.value.message
+    assert info.value.code == "invalid_request"
+    assert "KV cache holds 160 tokens" in info.value.message, info.value.message
+    assert (await tiny_engine.scheduler_stats()).steps == steps  # it never reached a step
+    assert (await tiny_engine.kv_stats()).free_pages == before.free_pages
+    await settle(tiny_engine)
+    params = GenerationParams(max_tokens=1, ignore_eos=True, **GREEDY)
+    [fits] = await tiny_engine.generate_batch([ids[:160]], params)
+    assert len(fits.token_ids) == 1
     await settle(tiny_engine)
     params = GenerationParams(max_tokens=4, ignore_eos=True, **GREEDY)
     [ok] = await tiny_engine.generate_batch([ids[:20]], params)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.tokenizer.validation import BadRequest, fit_to_context
+from actors.tokenizer.validation import BadRequest, check_fits_kv_pool, fit_to_context
 from transport.messages.params import GenerationParams
 
 
@@ -26,3 +26,20 @@ def test_a_prompt_that_fills_the_context_is_refused_either_way():
     for strict in (False, True):
         with pytest.raises(BadRequest, match="context is 100 tokens"):
             fit_to_context(GenerationParams(max_tokens_strict=strict), 100, 100)
+
+
+def test_a_prompt_the_whole_kv_pool_cannot_hold_is_refused():
+    check_fits_kv_pool(160, 160)  # it fills the pool: its first token is still sampled
+    with pytest.raises(BadRequest, match=r"prompt is 161 tokens; .*KV cache holds 160 tokens"):
+        check_fits_kv_pool(161, 160)
+    check_fits_kv_pool(10**6, 0)  # a pool not known here checks nothing
+
+
+def test_over_the_pool_reaches_http_clients_as_context_length_exceeded():
+    from actors.frontends.base import GenerationError
+    from actors.frontends.http.errors import from_generation_error
+
+    with pytest.raises(BadRequest) as refused:
+        check_fits_kv_pool(161, 160)
+    error = from_generation_error(GenerationError("invalid_request", str(refused.value)))
+    assert (error.status, error.detail.code) == (400, "context_length_exceeded")

@@ -141,6 +141,8 @@ def from_generation_error(exc: GenerationError) -> ApiError:
     if exc.code == ERR_INVALID_REQUEST:
         named = _FIELD_PREFIX.match(exc.message)
         param = named.group(1) if named else None
-        code = "context_length_exceeded" if "context is" in exc.message else None
+        # the model's context, or the whole KV pool where that is smaller: too long either way
+        too_long = "context is" in exc.message or "KV cache holds" in exc.message
+        code = "context_length_exceeded" if too_long else None
         return ApiError(400, exc.message, param=param, code=code)
     return ApiError(500, f"engine error: {exc.code}: {exc.message}", type=SERVER_ERROR)
