@@ -259,8 +259,7 @@ class CompiledStep:
         # the one-row graph, 1 the graph of two and more rows; None: not captured
         self._direct: tuple | None = None
         self.direct_failed: str | None = None  # why not, where compiled but not captured
-        self.direct_steps = 0  # steps that called it
-        self.direct_by_graph = [0, 0]  # ... the one-row graph's, the wider graph's
+        self.direct_by_graph = [0, 0]  # steps that called it: the one-row graph, the wider
 
     # -- the body, traced --------------------------------------------------------------
     def body(self, input_ids, positions, out_slots, full_slots, full_mask, sl_slots, sl_mask):
@@ -310,6 +309,11 @@ class CompiledStep:
             return
         self.compile_s = time.perf_counter() - start
         self.ready = True
+
+    @property
+    def direct_steps(self) -> int:
+        """Steps that called Dynamo's code directly, both graphs together."""
+        return sum(self.direct_by_graph)
 
     @property
     def direct_ready(self) -> bool:
@@ -433,7 +437,6 @@ class CompiledStep:
             with torch.inference_mode():
                 hidden = self._direct[wide](self, *args)
             self.steps += 1
-            self.direct_steps += 1
             self.direct_by_graph[wide] += 1
             return hidden
         try:
