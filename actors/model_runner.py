@@ -141,6 +141,7 @@ class ModelRunnerActor(Actor):
         self.tp_group = None  # kernels.tensor_parallel.TpGroup, formed in `_load`
         self._ranks: list = []  # the other ranks' processes
         self.tp_cores: list[list[int]] = []
+        self.tp_gpus: list[int] = []  # CUDA: each of this machine's ranks' GPU (-1: elsewhere)
         self.tp_placement = ""
         self._stopping = False  # on_stop ran: a load still starting ranks stops them
         self._admitting = None  # transport.rendezvous.Admission while other nodes join
@@ -175,22 +176,24 @@ class ModelRunnerActor(Actor):
         one_thread_here()
 
     def _tensor_parallel_settings(self, quantization: str, threads: int) -> tuple[str, bool, str]:
-        """Check and settle what a tensor-parallel runner runs: CPU ranks on gloo, exact
-        weights, eager steps, no KV tiers; each rank pinned to its share of the cores. Returns
-        (compile, cuda_graphs, store_dir) as it runs them."""
-        from kernels.tensor_parallel import core_placement
+        """Check and settle what a tensor-parallel runner runs: CPU ranks on gloo, or CUDA
+        ranks (one GPU each) with their step's collectives on NCCL; exact weights, eager
+        steps, no KV tiers; each rank pinned to its share of the cores. Returns (compile,
+        cuda_graphs, store_dir) as it runs them."""
+        from kernels.tensor_parallel import core_placement, cuda_gpus
 
         if self.tp < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tp}")
-        if self.device != "cpu":
-            raise ValueError("tensor parallelism runs on the CPU (gloo) here; use device = cpu")
+        here = self.tp // self.nnodes  # this machine's ranks: 0 .. here - 1
+        if self.device == "cuda":
+            self.tp_gpus = cuda_gpus(here, torch.cuda.device_count())
+            self.tp_gpus += [-1] * (self.tp - here)  # other machines choose their own
         if quantization not in ("auto", "none"):
             raise ValueError(
                 f"tensor parallelism splits exact weights; quantization = {quantization} "
                 "is a one-rank mode (use none or auto)"
             )
         self.requested_quantization = "none"
-        here = self.tp // self.nnodes  # this machine's ranks: 0 .. here - 1
         cores, per_rank, how = core_placement(here, sorted(os.sched_getaffinity(0)))
         self.tp_cores = cores + [[] for _ in range(self.tp - here)]  # others place their own
         self.tp_placement = how
@@ -233,6 +236,8 @@ class ModelRunnerActor(Actor):
 
         dead = exited(self._ranks)
         if dead:
+            if self.tp_group is not None:
+                self.tp_group.abort()  # a step waiting on the dead rank's GPU ends now
             raise TensorParallelError(
                 f"tensor-parallel rank {dead[0][0]} exited with code {dead[0][1]}"
             )
@@ -262,6 +267,8 @@ class ModelRunnerActor(Actor):
 
             stop_ranks(self._ranks)
             self._ranks = []
+        if self.tp_group is not None:
+            self.tp_group.abort()  # NCCL: its communicator goes now, not at a collection
         self.tp_group = None
         if self.kv_store is not None:
             self.kv_store.close()  # the disk tier's files die with this runner
@@ -363,6 +370,7 @@ class ModelRunnerActor(Actor):
             check_split,
             launch,
             stop_ranks,
+            use_rank_device,
         )
 
         check_split(load_config(self.model_path), self.tp)  # before any rank starts
@@ -375,8 +383,12 @@ class ModelRunnerActor(Actor):
             world=self.tp,
             cores=self.tp_cores,
             join_timeout_s=self.join_timeout_s,
+            device=self.device,
+            gpus=self.tp_gpus,
+            data_backend="nccl" if self.device == "cuda" else "",
             **self._pool_shape(),
         )
+        use_rank_device(settings, 0)  # this thread computes rank 0's share
         if self.tp_cores[0]:
             os.sched_setaffinity(0, self.tp_cores[0])  # this thread: rank 0's compute
         # `self._ranks` sees each rank as it starts, so a stop during the load finds them
@@ -405,6 +417,9 @@ class ModelRunnerActor(Actor):
             pids=[p.pid for p in self._ranks],
             heads_per_rank=local.config.num_heads,
             kv_heads_per_rank=local.config.num_kv_heads,
+            device=self.device,
+            gpus=self.tp_gpus or None,
+            data_group=self.tp_group.data_backend,
         )
 
     def _admission(self):

@@ -1,6 +1,6 @@
 """Tensor parallelism on torch.distributed: one model split across N rank processes.
 
-Megatron's split, as vLLM and SGLang do it, on a gloo process group (CPU):
+Megatron's split, as vLLM and SGLang do it, on torch.distributed process groups:
   * q/k/v and gate/up are column-parallel: rank r computes its own heads and its own slice
     of the MLP's intermediate features, with no communication;
   * o_proj and down_proj are row-parallel: each rank multiplies its slice and one
@@ -14,6 +14,12 @@ Each rank holds its share of the paged KV pool (its KV heads, every page), so th
 allocator's page numbers mean the same on every rank and one `ForwardBatch` drives them
 all: rank 0 (the runner) sends each batch to the others before computing its own share.
 
+Two groups, as vLLM's: a gloo *control* group carries rank 0's commands (pickled batches)
+and the start's votes and barriers, on the CPU; the step's collectives (the all-reduces and
+the logits' gather) go over the *data* group: the control group itself on the CPU, NCCL on
+CUDA (one GPU per rank, `RankSettings.gpus`). Both rendezvous at rank 0's TCPStore, the
+data group under its own key prefix.
+
 Invariant: every rank runs the same sequence of collectives. A rank that fails a step
 cannot rejoin it, so any failure breaks the group (`TpGroup.broken`) and the runner
 restarts or stops as after a crash. This module knows nothing of actors: `worker_main` is
@@ -22,6 +28,7 @@ a rank's whole life (join, load its shard, follow rank 0's commands).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -34,7 +41,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -76,15 +83,39 @@ def gloo_group(store, rank: int, world: int, host: str):
     return dist.ProcessGroupGloo(store, rank, world, options)
 
 
+DATA_BACKENDS = ("", "gloo", "nccl")  # "": the control group carries the data too
+
+
+def data_group(store, rank: int, world: int, backend: str, host: str):
+    """The step's collectives' own group, formed beside the control group at the same
+    rendezvous (under the key prefix "data/"): "nccl" for CUDA tensors (this rank's GPU
+    set as current first), or a second "gloo" group. Every rank forms it at the same point."""
+    prefixed = dist.PrefixStore("data/", store)
+    if backend == "gloo":
+        return gloo_group(prefixed, rank, world, host)
+    if backend != "nccl":
+        raise TensorParallelError(f"the data group's backend must be one of {DATA_BACKENDS}")
+    if not dist.is_nccl_available():
+        raise TensorParallelError(
+            f"this torch ({torch.__version__}) has no NCCL: CUDA ranks cannot form their group"
+        )
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = COLLECTIVE_TIMEOUT
+    return dist.ProcessGroupNCCL(prefixed, rank, world, options)
+
+
 class TpGroup:
-    """One rank's handle on the group: the collectives the split model needs, and rank 0's
-    commands to the others (pickled, broadcast over the same group)."""
+    """One rank's handle on the group: the collectives the split model needs (on the data
+    group), and rank 0's commands to the others (pickled, broadcast over the control group)."""
 
     def __init__(self, pg, rank: int, world: int, store=None) -> None:
-        self.pg = pg
+        self.pg = pg  # the control group (gloo, CPU tensors)
+        self.data_pg = pg  # the step's collectives (`attach_data_group`)
+        self.data_backend = "gloo"
+        self.device = torch.device("cpu")  # where the data group's tensors live
         self.rank = rank
         self.world = world
-        self.store = store  # rank 0's TCPStore (the rendezvous) lives as long as the group
+        self.store = store  # the rendezvous (rank 0 serves it) lives as long as the group
         self.broken: str | None = None  # why a collective failed; the group is then unusable
 
     @classmethod
@@ -93,7 +124,27 @@ class TpGroup:
     ) -> TpGroup:
         """Join the group whose rendezvous rank 0 serves at host:port."""
         store = dist.TCPStore(host, port, world, False, timeout=timeout or JOIN_TIMEOUT)
-        return cls(gloo_group(store, rank, world, host), rank, world)
+        return cls(gloo_group(store, rank, world, host), rank, world, store)
+
+    def attach_data_group(self, backend: str, host: str) -> None:
+        """Form the data group (`data_group`) unless `backend` is "" (the control group
+        carries the step's collectives). Every rank calls this at the same point."""
+        if backend:
+            self.data_pg = self._guard(
+                "forming the data group",
+                lambda: data_group(self.store, self.rank, self.world, backend, host),
+            )
+            self.data_backend = backend
+            if backend == "nccl":
+                self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def abort(self) -> None:
+        """Unblock and end the data group's collectives in flight, where its backend can
+        (NCCL's `abort`: a step waiting on a dead peer's GPU would otherwise wait until
+        COLLECTIVE_TIMEOUT); gloo's fail by themselves when a peer's sockets close."""
+        if self.data_pg is not self.pg:
+            with contextlib.suppress(Exception):
+                getattr(self.data_pg, "abort", lambda: None)()
 
     def _guard(self, what: str, fn):
         if self.broken is not None:
@@ -105,7 +156,13 @@ class TpGroup:
             raise TensorParallelError(self.broken) from exc
 
     def all_reduce(self, t: Tensor) -> Tensor:
-        """`t` summed over the ranks, in place (every rank gets the sum)."""
+        """`t` (on this rank's device) summed over the ranks on the data group, in place
+        (every rank gets the sum)."""
+        self._guard("all_reduce", lambda: self.data_pg.allreduce([t]).wait())
+        return t
+
+    def control_all_reduce(self, t: Tensor) -> Tensor:
+        """`t` (a CPU tensor) summed over the ranks on the control group, in place."""
         self._guard("all_reduce", lambda: self.pg.allreduce([t]).wait())
         return t
 
@@ -116,10 +173,10 @@ class TpGroup:
         opts = dist.GatherOptions()
         opts.rootRank = 0
         if self.rank != 0:
-            self._guard("gather", lambda: self.pg.gather([], [local], opts).wait())
+            self._guard("gather", lambda: self.data_pg.gather([], [local], opts).wait())
             return local.new_empty((local.shape[0], width))
         parts = [torch.empty_like(local) for _ in range(self.world)]
-        self._guard("gather", lambda: self.pg.gather([parts], [local], opts).wait())
+        self._guard("gather", lambda: self.data_pg.gather([parts], [local], opts).wait())
         return torch.cat(parts, dim=1)[:, :width]
 
     def send(self, command: object) -> None:
@@ -369,14 +426,16 @@ def probe_collectives(
     import statistics
     import time
 
-    x = torch.ones(rows, hidden, dtype=getattr(torch, dtype))
-    logits = torch.ones(rows, columns)
+    x = torch.ones(rows, hidden, dtype=getattr(torch, dtype), device=group.device)
+    logits = torch.ones(rows, columns, device=group.device)
+    done = torch.cuda.synchronize if group.device.type == "cuda" else lambda: None
     samples: list[list[float]] = [[], []]
     for _ in range(repeats):
         ops = (lambda: group.all_reduce(x), lambda: group.gather_columns(logits, 1))
         for k, op in enumerate(ops):
             start = time.perf_counter()
             op()
+            done()  # a collective on the GPU has only been queued when `op` returns
             samples[k].append(time.perf_counter() - start)
     return statistics.median(samples[0]), statistics.median(samples[1])
 
@@ -403,6 +462,10 @@ class RankSettings:
     host: str = "127.0.0.1"  # rank 0's rendezvous
     port: int = 0
     join_timeout_s: float = JOIN_TIMEOUT.total_seconds()  # the group forms within this
+    device: str = "cpu"  # "cpu" | "cuda": where every rank computes
+    gpus: list[int] = field(default_factory=list)  # CUDA: per rank, its GPU's
+    # index on its own machine (each node fills in its ranks')
+    data_backend: str = ""  # the step's collectives' group (DATA_BACKENDS): nccl on CUDA
 
 
 def numa_nodes(cores: list[int]) -> list[list[int]]:
@@ -553,21 +616,41 @@ def stop_ranks(processes: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def build_rank(settings: RankSettings, group: TpGroup, device: str = "cpu"):
+def cuda_gpus(ranks: int, visible: int) -> list[int]:
+    """The GPU index of each of a machine's `ranks` CUDA ranks: one GPU each, in order; a
+    ValueError naming both counts when fewer are `visible`."""
+    if visible < ranks:
+        raise ValueError(
+            f"{ranks} tensor-parallel ranks on this machine need a GPU each; torch sees "
+            f"{visible} (CUDA_VISIBLE_DEVICES chooses which)"
+        )
+    return list(range(ranks))
+
+
+def use_rank_device(settings: RankSettings, rank: int) -> None:
+    """Make `rank`'s GPU the calling thread's current device (CUDA ranks; else nothing):
+    its executor's "cuda" tensors, and its NCCL communicator, are then on that GPU."""
+    if settings.device == "cuda":
+        torch.cuda.set_device(settings.gpus[rank])
+
+
+def build_rank(settings: RankSettings, group: TpGroup):
     """(whole config, this rank's executor): its shard, its share of the KV pool, its
-    attention backend, the collectives wired in."""
+    attention backend, the collectives wired in. Call with the rank's device current
+    (`use_rank_device`)."""
     from kernels.model_executor import build_executor
 
+    group.attach_data_group(settings.data_backend, settings.host)
     dtype = getattr(torch, settings.dtype)
     config, local, model = load_shard(settings.model, dtype, group)
     executor = build_executor(
         local,
         model,
         None,
-        device=device,
+        device=settings.device,
         dtype=dtype,
         attention=settings.attention,
-        linear=agreed_linear(settings.linear, model, dtype, group),
+        linear=agreed_linear(settings.linear, model, dtype, group, settings.device),
         num_pages=settings.num_pages,
         swa_num_pages=settings.swa_num_pages,
         page_size=settings.page_size,
@@ -576,11 +659,18 @@ def build_rank(settings: RankSettings, group: TpGroup, device: str = "cpu"):
     )
     parallelize(executor, group, config.vocab)
     # Every rank loaded: a rank that failed fails this (its sockets closed), so the start.
-    group.all_reduce(torch.ones(1))
+    group.control_all_reduce(torch.ones(1))
+    # The data group's first collective (NCCL forms its communicator here): a bad setup
+    # fails the start, not the first step.
+    check = group.all_reduce(torch.ones(1, device=group.device))
+    if int(check.item()) != group.world:
+        raise TensorParallelError(f"the data group summed {check.item()} over {group.world}")
     return config, executor
 
 
-def agreed_linear(requested: str, model: nn.Module, dtype: torch.dtype, group: TpGroup) -> str:
+def agreed_linear(
+    requested: str, model: nn.Module, dtype: torch.dtype, group: TpGroup, device: str = "cpu"
+) -> str:
     """One weight layout for every rank: "auto" settles on each rank's own share (the fp16
     layouts need its weights within fp16's range), so the ranks vote, and a layout they do
     not all pick gives way to aten."""
@@ -590,10 +680,10 @@ def agreed_linear(requested: str, model: nn.Module, dtype: torch.dtype, group: T
         return requested
     weights = [m.weight for m in model.layers.modules() if type(m) is nn.Linear]
     weights.append(model.lm_head_weight)
-    mine = choose_linear_backend(requested, torch.device("cpu"), dtype, weights)[0]
+    mine = choose_linear_backend(requested, torch.device(device), dtype, weights)[0]
     votes = torch.zeros(len(LINEAR_BACKENDS))
     votes[LINEAR_BACKENDS.index(mine)] = 1
-    group.all_reduce(votes)
+    group.control_all_reduce(votes)
     return mine if int(votes[LINEAR_BACKENDS.index(mine)]) == group.world else "aten"
 
 
@@ -609,6 +699,7 @@ def worker_main(argv: list[str]) -> int:
     if cores:
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(max(1, settings.threads))
+    use_rank_device(settings, rank)
     wait = datetime.timedelta(seconds=settings.join_timeout_s)
     group = TpGroup.join(settings.host, settings.port, rank, settings.world, wait)
     _, executor = build_rank(settings, group)

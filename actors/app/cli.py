@@ -54,7 +54,8 @@ SERVE_FLAGS = [
         "--tensor-parallel-size",
         "parallel.tensor_parallel_size",
         int,
-        "split the model across N rank processes (torch.distributed, gloo on the CPU)",
+        "split the model across N rank processes (torch.distributed: gloo on the CPU, "
+        "NCCL on CUDA with one GPU per rank)",
     ),
     (
         "--data-parallel-size",

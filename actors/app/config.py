@@ -190,8 +190,9 @@ class ServerSection(_Section):
 
 
 class ParallelSection(_Section):
-    # ranks the model is split across (kernels/tensor_parallel.py): torch.distributed with
-    # gloo, one process per rank on its own cores; 1 = one runner holds the whole model
+    # ranks the model is split across (kernels/tensor_parallel.py): torch.distributed, one
+    # process per rank: gloo on the CPU (each on its own cores), NCCL on CUDA (one GPU each);
+    # 1 = one runner holds the whole model
     tensor_parallel_size: int = 1
     # several machines (SGLang's flags): the ranks are split evenly over `nnodes` nodes;
     # node 0 runs the control plane and admits the others at `dist_init_addr` (HOST:PORT,

@@ -26,6 +26,7 @@ def serve_node(cfg: EngineConfig) -> int:
     from kernels.tensor_parallel import (
         RankSettings,
         core_placement,
+        cuda_gpus,
         start_rank_processes,
         stop_ranks,
     )
@@ -63,7 +64,19 @@ def serve_node(cfg: EngineConfig) -> int:
         cores = [list(c) for c in settings.cores]
         for rank, mine in zip(ranks, placement):
             cores[rank] = mine
-        settings = dataclasses.replace(settings, cores=cores, threads=cfg.model.threads or threads)
+        gpus = list(settings.gpus)
+        if settings.device == "cuda":  # this machine's GPUs, one per rank
+            try:
+                import torch
+
+                for rank, gpu in zip(ranks, cuda_gpus(per_node, torch.cuda.device_count())):
+                    gpus[rank] = gpu
+            except ValueError as exc:
+                print(f"bin/engine: node {par.node_rank}: {exc}", file=sys.stderr, flush=True)
+                return 1
+        settings = dataclasses.replace(
+            settings, cores=cores, gpus=gpus, threads=cfg.model.threads or threads
+        )
         _log.info(
             "node admitted",
             node_rank=par.node_rank,
@@ -71,6 +84,7 @@ def serve_node(cfg: EngineConfig) -> int:
             rendezvous=par.dist_init_addr,
             rank_cores=placement,
             placement=how,
+            rank_gpus=[gpus[r] for r in ranks] if settings.device == "cuda" else None,
         )
         processes: list = []
         start_rank_processes(settings, ranks, processes)

@@ -2,7 +2,7 @@
 
     bin/engine gpu-check [--random-weights] [--dry-run] [--json out.json]
                          [--attention auto|triton|flashinfer] [--require flashinfer,cuda-graphs]
-                         [--batches 1 64 256]
+                         [--batches 1 64 256] [--tp-ranks 2]
 
 On the GPU machine without network, `bin/gpu-device-check` runs it with that machine's own
 python3 after staging the carried wheelhouse (docs/operations.md, "The GPU check").
@@ -20,6 +20,10 @@ so nothing has to be carried. Steps, in bf16 on CUDA:
      dtype (HF's own rounding error there). A run passes when the engine's logprob of each
      token, and its choice against the reference's best token, are within
      `max(--logprob-tol, 2 x HF's own error)`;
+  1b. tensor parallelism (`--tp-ranks`, default 2 on CUDA): the same prompts in fp32 with
+     the model split over that many ranks, one GPU each with NCCL between them (gloo on the
+     CPU), against one rank: the same tokens and logprobs within 1e-3. Skipped, saying so,
+     on a machine with fewer GPUs than ranks;
   2. generation throughput at each batch size (64-token prompts, `--new-tokens` each,
      greedy, EOS ignored) through one engine for every batch, against HF `generate`;
   3. the engine stack against a bare loop over the model executor on the largest batch;
@@ -27,9 +31,10 @@ so nothing has to be carried. Steps, in bf16 on CUDA:
      fraction of the device's copy bandwidth (measured) and nominal peak; the decode graphs
      captured and replayed; and the synchronising CUDA calls per decode step (torch's sync
      debug mode).
-It prints one JSON object and exits 1 when parity fails or a `--require`d feature
-(`flashinfer`, `cuda-graphs`) was not used, 2 when there is no GPU. `--dry-run` runs every
-step on the CPU in fp32 with small sizes, so the script is known to work before a GPU is lent.
+It prints one JSON object and exits 1 when parity (or the split's) fails or a `--require`d
+feature (`flashinfer`, `cuda-graphs`, `tensor-parallel`) was not used, 2 when there is no GPU.
+`--dry-run` runs every step on the CPU in fp32 with small sizes (the split only with
+`--tp-ranks 2`), so the script is known to work before a GPU is lent.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ NOMINAL_BANDWIDTH = {
     "RTX 4090": 1.01e12,
 }
 WINDOW = 512  # Gemma 3's sliding window: the parity prompts past it start at 600 tokens
-REQUIREMENTS = ("flashinfer", "cuda-graphs")
+REQUIREMENTS = ("flashinfer", "cuda-graphs", "tensor-parallel")
 
 
 def sync(device: str) -> None:
@@ -255,10 +260,13 @@ def engine_config(
     model_path=None,
     attention: str = "auto",
     swa_num_pages: int = -1,
+    ranks: int = 1,
 ) -> EngineConfig:
-    """`swa_num_pages`: 0 puts the sliding layers' KV in the one pool, -1 in a pool of their own."""
+    """`swa_num_pages`: 0 puts the sliding layers' KV in the one pool, -1 in a pool of their own;
+    `ranks`: the model split over that many tensor-parallel ranks."""
     pages = max(256, max_batch * (context // 16 + 1) + 64)
     return EngineConfig.load(
+        parallel__tensor_parallel_size=ranks,
         model__path=str(model_path or ""),
         model__device=device,
         model__dtype=dtype,
@@ -342,6 +350,43 @@ def parity(args, model_path, prompts, device, dtype, backends) -> dict:
         "hf_own_max_err": own,
         "window_prompts": sum(len(p) > WINDOW for p in prompts),
         "runs": runs,
+    }
+
+
+def tensor_parallel(args, model_path, prompts, device) -> dict:
+    """Greedy generation with logprobs, fp32, the model split over `--tp-ranks` ranks (one GPU
+    each, NCCL; gloo on the CPU) against one rank: the same tokens, logprobs within 1e-3.
+    Skipped, saying why, where the machine has fewer GPUs than ranks."""
+    ranks = args.tp_ranks
+    if device == "cuda" and torch.cuda.device_count() < ranks:
+        return {"skipped": f"{ranks} ranks need {ranks} GPUs; {torch.cuda.device_count()} seen"}
+    params = GenerationParams(
+        max_tokens=args.parity_tokens, temperature=0.0, ignore_eos=True, logprobs=True
+    )
+    attention = "triton" if device == "cuda" else "torch"  # fp32 kernels
+    runs = {}
+    for n in (1, ranks):
+        cfg = engine_config(
+            device, "float32", len(prompts), args.context, model_path, attention, ranks=n
+        )
+        start = time.perf_counter()
+        results = anyio.run(_generate, cfg, prompts, params)
+        runs[n] = (results, time.perf_counter() - start)
+        gc.collect()
+    whole, split = runs[1][0], runs[ranks][0]
+    same_tokens = [list(a.token_ids) == list(b.token_ids) for a, b in zip(whole, split)]
+    err = max(
+        abs(x.logprob - y.logprob)
+        for a, b in zip(whole, split)
+        for x, y in zip(a.logprobs, b.logprobs)
+    )
+    return {
+        "passed": all(same_tokens) and err <= 1e-3,
+        "ranks": ranks,
+        "data_group": "nccl" if device == "cuda" else "gloo",
+        "same_tokens": same_tokens,
+        "max_logprob_diff": err,
+        "seconds": {str(n): round(t, 2) for n, (_, t) in runs.items()},
     }
 
 
@@ -438,6 +483,9 @@ def run(args) -> dict:
     prompts = parity_prompts(tokenizer, args.parity_prompts, args.window_prompts)
     report["parity"] = parity(args, model_path, prompts, device, dtype, backends)
     save(args, report)
+    if args.tp_ranks > 1:
+        report["tensor_parallel"] = tensor_parallel(args, model_path, prompts, device)
+        save(args, report)
     report["throughput"], report["engine_vs_bare"] = throughput(
         args, model_path, tokenizer, device, dtype
     )
@@ -463,6 +511,9 @@ def unmet(required: list[str], report: dict) -> list[str]:
         out.append(f"flashinfer: the engine ran {report['attention']['engine']}")
     if "cuda-graphs" in required and not report["batch1"].get("graph_replays"):
         out.append("cuda-graphs: no decode step replayed a graph")
+    tp = report.get("tensor_parallel", {"skipped": "--tp-ranks 1"})
+    if "tensor-parallel" in required and "skipped" in tp:
+        out.append(f"tensor-parallel: skipped ({tp['skipped']})")
     return out
 
 
@@ -481,7 +532,14 @@ def main() -> int:
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "kvactor"))
     ap.add_argument("--logprob-tol", type=float, help="default 0.05 (bf16), 1e-3 (fp32)")
     ap.add_argument("--attention", default="auto", help="auto (every backend), triton, ...")
-    ap.add_argument("--require", default="", help="comma list: flashinfer,cuda-graphs")
+    ap.add_argument(
+        "--require", default="", help="comma list: flashinfer,cuda-graphs,tensor-parallel"
+    )
+    ap.add_argument(
+        "--tp-ranks",
+        type=int,
+        help="split the model over N ranks against one (default 2 on CUDA, 1: off, on the CPU)",
+    )
     args = ap.parse_args()
     args.require = [r for r in args.require.split(",") if r]
     bad = sorted(set(args.require) - set(REQUIREMENTS))
@@ -495,6 +553,7 @@ def main() -> int:
     args.bandwidth_steps = args.bandwidth_steps or (8 if small else 128)
     args.logprob_tol = args.logprob_tol or (1e-3 if small else 0.05)
     args.window_prompts = 1 if small else 3
+    args.tp_ranks = args.tp_ranks or (1 if small else 2)
     args.context = 1024 if small else 2048
     if not args.dry_run and not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device; use --dry-run on a CPU machine"}))
@@ -502,7 +561,8 @@ def main() -> int:
     report = run(args)
     print(json.dumps(report, indent=2))
     save(args, report)
-    return 0 if report["parity"]["passed"] and not report["unmet_requirements"] else 1
+    passed = report["parity"]["passed"] and report.get("tensor_parallel", {}).get("passed", True)
+    return 0 if passed and not report["unmet_requirements"] else 1
 
 
 if __name__ == "__main__":

@@ -154,12 +154,14 @@ def test_cuda_graphs_refuse_a_cpu_executor():
 @pytest.mark.model
 def test_gpu_check_dry_run_exercises_every_step(tmp_path):
     """`bin/engine gpu-check --dry-run` at its smallest: parity (one prompt past the
-    window), throughput against HF, engine against bare, batch-1 bandwidth."""
+    window), the model split over two ranks (gloo here, NCCL on GPUs) against one,
+    throughput against HF, engine against bare, batch-1 bandwidth."""
     out = tmp_path / "gpu.json"
     cmd = [
         sys.executable, "-m", "actors.app.cli", "gpu-check", "--dry-run", "--json", str(out),
         "--batches", "2", "--new-tokens", "2", "--parity-prompts", "2",
         "--parity-tokens", "3", "--bandwidth-steps", "2", "--prompt-tokens", "16",
+        "--tp-ranks", "2", "--require", "tensor-parallel",
     ]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -173,6 +175,10 @@ def test_gpu_check_dry_run_exercises_every_step(tmp_path):
     for run_ in parity["runs"].values():
         assert [p["prompt_tokens"] for p in run_["per_prompt"]] == [8, 600]
         assert all(p["tokens"] == 3 and p["max_logprob_err"] <= 1e-3 for p in run_["per_prompt"])
+    tp = report["tensor_parallel"]
+    assert tp["passed"] and tp["ranks"] == 2 and tp["data_group"] == "gloo"
+    assert tp["same_tokens"] == [True, True] and tp["max_logprob_diff"] <= 1e-3
+    assert report["unmet_requirements"] == []
     assert set(report["throughput"]) == {"2"}
     assert (
         report["throughput"]["2"]["kvactor_tok_s"] > 0 and report["throughput"]["2"]["hf_tok_s"] > 0

@@ -25,6 +25,8 @@ from kernels.tensor_parallel import (
     build_rank,
     check_split,
     core_placement,
+    cuda_gpus,
+    data_group,
     launch,
     split_of,
     stop_ranks,
@@ -91,7 +93,7 @@ def llama_folder(tmp_path_factory) -> Path:
     return _save_tiny("llama_4kv", tmp_path_factory)
 
 
-def _settings(model: str | None, world: int = 2) -> RankSettings:
+def _settings(model: str | None, world: int = 2, data_backend: str = "") -> RankSettings:
     cores, threads, _ = core_placement(world, sorted(os.sched_getaffinity(0)))
     return RankSettings(
         model=model,
@@ -101,6 +103,7 @@ def _settings(model: str | None, world: int = 2) -> RankSettings:
         threads=threads,
         world=world,
         cores=cores,
+        data_backend=data_backend,
         **POOL,
     )
 
@@ -135,10 +138,11 @@ def two_ranks():
     """launch(settings) -> a ParallelExecutor; the ranks are stopped afterwards."""
     started = []
 
-    def start(model: str | None):
-        group, processes = launch(_settings(model))
+    def start(model: str | None, data_backend: str = ""):
+        settings = _settings(model, data_backend=data_backend)
+        group, processes = launch(settings)
         started.append(processes)
-        config, local = build_rank(_settings(model), group)
+        config, local = build_rank(settings, group)
         return ParallelExecutor(local, group), processes
 
     yield start
@@ -161,6 +165,48 @@ def test_two_ranks_equal_one_rank(tiny_folder, two_ranks):
     assert local.num_kv_heads == max(1, config.num_kv_heads // 2)
     assert local.intermediate * 2 == config.intermediate
     assert tp.local.kv_cache.num_kv_heads == local.num_kv_heads
+
+
+class _CommandsOnly:
+    """A control group that broadcasts rank 0's commands and refuses any other collective."""
+
+    def __init__(self, pg) -> None:
+        self.pg = pg
+        self.broadcasts = 0
+
+    def broadcast(self, *args):
+        self.broadcasts += 1
+        return self.pg.broadcast(*args)
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"a step's {name} went over the control group")
+
+
+def test_a_data_group_of_its_own_carries_every_step_collective(llama_folder, two_ranks):
+    """CUDA ranks sum and gather over NCCL beside the gloo control group; here a second gloo
+    group stands in for NCCL (the same formation, under the store's "data/" prefix): steps
+    with the control group refusing all but commands equal the whole model."""
+    prompts = _prompts(load_config(llama_folder).vocab)
+    tp, _ = two_ranks(str(llama_folder), data_backend="gloo")
+    assert tp.group.data_backend == "gloo" and tp.group.data_pg is not tp.group.pg
+    control = tp.group.pg = _CommandsOnly(tp.group.pg)
+    split_logits, split_tokens = _run(tp, prompts)
+    whole_logits, whole_tokens = _run(_one_rank(str(llama_folder)), prompts)
+    assert split_tokens == whole_tokens
+    assert rel_l2(split_logits, whole_logits) < 1e-5
+    assert control.broadcasts > 0  # the commands still went this way
+
+
+def test_cuda_ranks_take_a_gpu_each_and_need_nccl():
+    assert cuda_gpus(2, 2) == [0, 1] and cuda_gpus(2, 8) == [0, 1]
+    with pytest.raises(ValueError, match="2 tensor-parallel ranks .* need a GPU each; .* 1 "):
+        cuda_gpus(2, 1)
+    store = torch.distributed.HashStore()
+    with pytest.raises(TensorParallelError, match="backend must be one of"):
+        data_group(store, 0, 1, "mpi", "127.0.0.1")
+    if not torch.distributed.is_nccl_available():  # a CPU build: named, not a crash
+        with pytest.raises(TensorParallelError, match="has no NCCL"):
+            data_group(store, 0, 1, "nccl", "127.0.0.1")
 
 
 def test_the_embedded_gemma_splits_exactly(two_ranks):
