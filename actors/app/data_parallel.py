@@ -3,7 +3,9 @@
 
 With `--data-parallel-size N` this process starts the N replicas itself: each is
 `bin/engine serve` with the same model and settings on 127.0.0.1 and a port the OS reports
-free (logged), its own process group, OMP_NUM_THREADS = cores / N. The router starts once
+free (logged), its own process group, OMP_NUM_THREADS = cores / N, and on CUDA GPUs of its
+own (`replica_gpus`: replica i sees the visible GPUs [i T, (i + 1) T) for
+`tensor_parallel_size` T, as SGLang's data parallelism places them). The router starts once
 every replica answers /health. A replica that exits during its start fails the start,
 naming it, unless its port was taken meanwhile by another process (the port is free when
 chosen, but a replica binds it only after loading the model): that replica is started
@@ -94,17 +96,51 @@ def is_up(url: str, instance_id: str) -> bool:
         return False
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may hand out, as CUDA_VISIBLE_DEVICES names them (indices or
+    UUIDs): its own CUDA_VISIBLE_DEVICES where set, else every GPU torch sees."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [name.strip() for name in listed.split(",") if name.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def replica_gpus(count: int, per_replica: int, visible: list[str]) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for each of `count` replicas of `per_replica` GPUs (one per
+    tensor-parallel rank): consecutive runs of `visible`, none shared (two engines on one
+    GPU would each plan their KV pool from the same free memory). A ValueError names the
+    counts where there are too few."""
+    need = count * per_replica
+    if len(visible) < need:
+        raise ValueError(
+            f"{count} replicas of {per_replica} GPU(s) each need {need} GPUs; "
+            f"{len(visible)} visible ({','.join(visible) or 'none'})"
+        )
+    return [",".join(visible[i * per_replica : (i + 1) * per_replica]) for i in range(count)]
+
+
 def start_replicas(cfg: EngineConfig, argv: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
+    from kernels.device import choose_device
+
     count = cfg.parallel.data_parallel_size
     threads = max(1, len(os.sched_getaffinity(0)) // count)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.pop("KVACTOR_PARALLEL_DATA_PARALLEL_SIZE", None)
     ids = [f"replica-{i}-{secrets.token_hex(8)}" for i in range(count)]
+    gpus: list[str] = []
+    try:
+        if choose_device(cfg.model.device)[0] == "cuda":
+            gpus = replica_gpus(count, cfg.parallel.tensor_parallel_size, visible_gpus())
+    except ValueError as exc:
+        raise SystemExit(f"bin/engine: --data-parallel-size {count}: {exc}") from None
 
     def launch(i: int, port: int) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "actors.app.cli", "serve", *replica_argv(argv, port, ids[i])]
+        own = dict(env, CUDA_VISIBLE_DEVICES=gpus[i]) if gpus else env
         return subprocess.Popen(
-            cmd, env=env, start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM)
+            cmd, env=own, start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM)
         )
 
     processes: list[subprocess.Popen] = []
@@ -114,7 +150,7 @@ def start_replicas(cfg: EngineConfig, argv: list[str]) -> tuple[list[subprocess.
             processes.append(launch(i, port))
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         attempts = [1] * count
-        _log.info("replicas starting", replicas=urls, threads_each=threads)
+        _log.info("replicas starting", replicas=urls, threads_each=threads, gpus=gpus or None)
         deadline = time.monotonic() + START_TIMEOUT_S
         pending = set(range(count))
         while pending:

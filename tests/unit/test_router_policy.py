@@ -369,3 +369,41 @@ def test_prompts_are_tokenized_only_where_a_tree_can_be_matched(router):
     assert not router._tokenizable("POST", "/v1/messages", chat, "x" * 400)
     router.replicas[0].up = router.replicas[2].up = False
     assert not router._tokenizable("POST", path, chat, "x" * 400)  # one replica: no choice
+
+
+def test_replicas_on_cuda_get_gpus_of_their_own():
+    """`serve --data-parallel-size N` on CUDA: replica i sees its own run of T GPUs
+    (T = tensor_parallel_size), taken in the order CUDA_VISIBLE_DEVICES lists them."""
+    from actors.app.data_parallel import replica_gpus
+
+    assert replica_gpus(2, 1, ["0", "1"]) == ["0", "1"]
+    assert replica_gpus(2, 2, ["3", "1", "0", "2", "4"]) == ["3,1", "0,2"]
+    with pytest.raises(ValueError, match=r"2 replicas of 2 GPU\(s\) each need 4 GPUs; 3 visible"):
+        replica_gpus(2, 2, ["0", "1", "2"])
+    with pytest.raises(ValueError, match="need 2 GPUs; 0 visible"):
+        replica_gpus(2, 1, [])
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
+    from actors.app.data_parallel import visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa, GPU-bb,")
+    assert visible_gpus() == ["GPU-aa", "GPU-bb"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
+
+
+def test_replicas_asked_on_cuda_without_it_fail_before_any_starts(monkeypatch):
+    import torch
+
+    from actors.app.config import EngineConfig
+    from actors.app.data_parallel import start_replicas
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    started = []
+    monkeypatch.setattr("subprocess.Popen", lambda *a, **k: started.append(a))
+    cfg = EngineConfig.load(parallel__data_parallel_size=2, model__device="cuda")
+    with pytest.raises(SystemExit, match="--data-parallel-size 2: .*no CUDA device"):
+        start_replicas(cfg, [])
+    assert started == []
