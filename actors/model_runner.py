@@ -236,11 +236,10 @@ class ModelRunnerActor(Actor):
 
         dead = exited(self._ranks)
         if dead:
-            if self.tp_group is not None:
-                self.tp_group.abort()  # a step waiting on the dead rank's GPU ends now
-            raise TensorParallelError(
-                f"tensor-parallel rank {dead[0][0]} exited with code {dead[0][1]}"
-            )
+            why = f"tensor-parallel rank {dead[0][0]} exited with code {dead[0][1]}"
+            if self.tp_group is not None:  # a step waiting on the dead rank's GPU ends now
+                await anyio.to_thread.run_sync(self.tp_group.abort, why)
+            raise TensorParallelError(why)
         if self.tp_group is not None and self.tp_group.broken:
             raise TensorParallelError(self.tp_group.broken)
 
@@ -267,8 +266,8 @@ class ModelRunnerActor(Actor):
 
             stop_ranks(self._ranks)
             self._ranks = []
-        if self.tp_group is not None:
-            self.tp_group.abort()  # NCCL: its communicator goes now, not at a collection
+        if self.tp_group is not None:  # NCCL: its communicator goes now, not at a collection
+            await anyio.to_thread.run_sync(self.tp_group.abort, "the runner stopped")
         self.tp_group = None
         if self.kv_store is not None:
             self.kv_store.close()  # the disk tier's files die with this runner
@@ -528,7 +527,10 @@ class ModelRunnerActor(Actor):
             return await self._load_grammar(msg)
         if isinstance(msg, ForwardBatchMsg):
             try:
-                return await self._on_worker(self._step, msg)
+                result = await self._on_worker(self._step, msg)
+                if self.tp_group is not None:
+                    self.tp_group.check()  # a collective that failed unseen fails the step
+                return result
             finally:
                 if self.tp_group is not None and self.tp_group.broken:
                     self.spawn(self._watch_ranks)  # crashes this actor now, not at the next tick

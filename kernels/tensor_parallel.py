@@ -99,6 +99,11 @@ def data_group(store, rank: int, world: int, backend: str, host: str):
         raise TensorParallelError(
             f"this torch ({torch.__version__}) has no NCCL: CUDA ranks cannot form their group"
         )
+    # Read when the group is made. A failed or timed-out collective then aborts the
+    # communicator (2: CleanUpOnly; `TpGroup.check` finds it after the step) where torch's
+    # default (3) has its watchdog end the whole process, the engine's clients with it.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = COLLECTIVE_TIMEOUT
     return dist.ProcessGroupNCCL(prefixed, rank, world, options)
@@ -138,13 +143,31 @@ class TpGroup:
             if backend == "nccl":
                 self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def abort(self) -> None:
-        """Unblock and end the data group's collectives in flight, where its backend can
-        (NCCL's `abort`: a step waiting on a dead peer's GPU would otherwise wait until
-        COLLECTIVE_TIMEOUT); gloo's fail by themselves when a peer's sockets close."""
+    def abort(self, why: str) -> None:
+        """Break the group (`why`) and end the data group's collectives in flight, where its
+        backend can (NCCL's `abort`: a step waiting on a dead peer's GPU would otherwise wait
+        until COLLECTIVE_TIMEOUT); gloo's fail by themselves when a peer's sockets close.
+        Blocks while NCCL tears its communicator down: call it off the event loop."""
+        if self.broken is None:
+            self.broken = why  # first: a step that NCCL's abort cut short is not answered
         if self.data_pg is not self.pg:
             with contextlib.suppress(Exception):
                 getattr(self.data_pg, "abort", lambda: None)()
+
+    def check(self) -> None:
+        """Raise TensorParallelError if the group is broken or its data group reports a
+        failed collective. NCCL reports one to its watchdog, not to the step that waited on
+        it (whose results are then garbage), so a step's results count only after this."""
+        if self.broken is None and self.data_pg is not self.pg:
+            try:
+                error = self.data_pg.get_error()  # NCCL's; gloo raises at the collective
+            except Exception:  # a backend or torch without it
+                error = None
+            name = getattr(error, "name", "SUCCESS")
+            if name != "SUCCESS":
+                self.broken = f"the {self.data_backend} data group reports {name}"
+        if self.broken is not None:
+            raise TensorParallelError(f"the tensor-parallel group is broken: {self.broken}")
 
     def _guard(self, what: str, fn):
         if self.broken is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,11 +23,13 @@ from kernels.tensor_parallel import (
     ParallelExecutor,
     RankSettings,
     TensorParallelError,
+    TpGroup,
     build_rank,
     check_split,
     core_placement,
     cuda_gpus,
     data_group,
+    gloo_group,
     launch,
     split_of,
     stop_ranks,
@@ -207,6 +210,49 @@ def test_cuda_ranks_take_a_gpu_each_and_need_nccl():
     if not torch.distributed.is_nccl_available():  # a CPU build: named, not a crash
         with pytest.raises(TensorParallelError, match="has no NCCL"):
             data_group(store, 0, 1, "nccl", "127.0.0.1")
+
+
+class _ReportingDataGroup:
+    """NCCL's side of a data group as the runner sees it: `get_error` (what its watchdog
+    found) and `abort`."""
+
+    def __init__(self) -> None:
+        self.error = SimpleNamespace(name="SUCCESS")
+        self.aborted = 0
+
+    def get_error(self):
+        return self.error
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+def _one_rank_group() -> TpGroup:
+    store = torch.distributed.HashStore()
+    group = TpGroup(gloo_group(store, 0, 1, "127.0.0.1"), 0, 1, store)
+    group.check()  # one group, healthy: nothing to report
+    group.data_pg, group.data_backend = _ReportingDataGroup(), "nccl"
+    return group
+
+
+def test_a_failure_the_data_group_reports_fails_the_step_and_breaks_the_group():
+    """NCCL tells its watchdog, not the step waiting on it, that a collective failed: the
+    step's results count only after `check`, which then breaks the group."""
+    group = _one_rank_group()
+    group.check()
+    group.data_pg.error = SimpleNamespace(name="REMOTE_ERROR")
+    with pytest.raises(TensorParallelError, match="nccl data group reports REMOTE_ERROR"):
+        group.check()
+    with pytest.raises(TensorParallelError, match="broken"):
+        group.control_all_reduce(torch.ones(1))
+
+
+def test_an_abort_breaks_the_group_before_it_ends_the_collectives():
+    group = _one_rank_group()
+    group.abort("tensor-parallel rank 1 exited with code -9")
+    assert group.data_pg.aborted == 1
+    with pytest.raises(TensorParallelError, match="rank 1 exited with code -9"):
+        group.check()  # the step an abort cut short is not answered
 
 
 def test_the_embedded_gemma_splits_exactly(two_ranks):
