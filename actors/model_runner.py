@@ -427,6 +427,7 @@ class ModelRunnerActor(Actor):
         `admit(settings)` answers each other node with them, until all have joined."""
         import dataclasses
 
+        from kernels.tensor_parallel import check_node
         from transport.rendezvous import Admission, split_address
         from transport.security import read_curve_secret
 
@@ -434,12 +435,7 @@ class ModelRunnerActor(Actor):
         self._admitting = admission  # a failed launch or a stop cancels it
 
         def answer(hello: dict) -> dict:
-            theirs = (hello.get("world"), hello.get("nnodes"))
-            if theirs != (self.tp, self.nnodes):
-                raise ValueError(
-                    f"node {hello['node_rank']} has tensor_parallel_size, nnodes = {theirs}; "
-                    f"node 0 has {(self.tp, self.nnodes)}"
-                )
+            check_node(hello, self.tp, self.nnodes, self.device)
             return {"settings": dataclasses.asdict(settings_now[0])}
 
         settings_now: list = []

@@ -144,15 +144,17 @@ class TpGroup:
                 self.device = torch.device("cuda", torch.cuda.current_device())
 
     def abort(self, why: str) -> None:
-        """Break the group (`why`) and end the data group's collectives in flight, where its
-        backend can (NCCL's `abort`: a step waiting on a dead peer's GPU would otherwise wait
-        until COLLECTIVE_TIMEOUT); gloo's fail by themselves when a peer's sockets close.
-        Blocks while NCCL tears its communicator down: call it off the event loop."""
+        """With a data group of its own: break the group (`why`) and end that group's
+        collectives in flight (NCCL's `abort`: a step waiting on a dead peer's GPU would
+        otherwise wait until COLLECTIVE_TIMEOUT). With one gloo group, nothing: its
+        collectives fail by themselves when a peer's sockets close. Blocks while NCCL tears
+        its communicator down: call it off the event loop."""
+        if self.data_pg is self.pg:
+            return  # nothing to end: a step that finished its collectives stands
         if self.broken is None:
             self.broken = why  # first: a step that NCCL's abort cut short is not answered
-        if self.data_pg is not self.pg:
-            with contextlib.suppress(Exception):
-                getattr(self.data_pg, "abort", lambda: None)()
+        with contextlib.suppress(Exception):
+            getattr(self.data_pg, "abort", lambda: None)()
 
     def check(self) -> None:
         """Raise TensorParallelError if the group is broken or its data group reports a
@@ -648,6 +650,22 @@ def cuda_gpus(ranks: int, visible: int) -> list[int]:
             f"{visible} (CUDA_VISIBLE_DEVICES chooses which)"
         )
     return list(range(ranks))
+
+
+def check_node(hello: dict, world: int, nnodes: int, device: str) -> None:
+    """A ValueError naming why node 0 refuses another node's hello: another
+    tensor_parallel_size or nnodes, or (CUDA) fewer GPUs than its share of the ranks."""
+    theirs = (hello.get("world"), hello.get("nnodes"))
+    node = hello.get("node_rank")
+    if theirs != (world, nnodes):
+        raise ValueError(
+            f"node {node} has tensor_parallel_size, nnodes = {theirs}; node 0 has {(world, nnodes)}"
+        )
+    if device == "cuda" and "gpus" in hello:
+        try:
+            cuda_gpus(world // nnodes, int(hello["gpus"]))
+        except ValueError as exc:
+            raise ValueError(f"node {node}: {exc}") from None
 
 
 def use_rank_device(settings: RankSettings, rank: int) -> None:

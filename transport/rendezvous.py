@@ -88,13 +88,17 @@ class Admission:
         RendezvousError when `deadline` (time.monotonic) passes or `cancel()` is called."""
         waiting = set(nodes)
         admitted: dict[int, str] = {}  # node rank -> the process that holds it
+        refused: dict[int, str] = {}  # node rank -> why its last hello was refused
         while waiting:
             if self.cancelled:
                 raise RendezvousError(f"admission at {self.address} cancelled")
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
+                why = "".join(
+                    f"; node {n} was refused: {refused[n]}" for n in sorted(refused) if n in waiting
+                )
                 raise RendezvousError(
-                    f"node(s) {sorted(waiting)} did not join at {self.address} in time"
+                    f"node(s) {sorted(waiting)} did not join at {self.address} in time{why}"
                 )
             if not self.socket.poll(min(left_ms, 200)):
                 continue
@@ -120,6 +124,7 @@ class Admission:
             try:
                 reply = answer(hello)
             except ValueError as exc:
+                refused[node] = str(exc)
                 self.socket.send(json.dumps({"error": str(exc)}).encode())
                 continue
             self.socket.send(json.dumps(reply).encode())

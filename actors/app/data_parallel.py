@@ -122,6 +122,8 @@ def replica_gpus(count: int, per_replica: int, visible: list[str]) -> list[str]:
 
 
 def start_replicas(cfg: EngineConfig, argv: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
+    import torch
+
     from kernels.device import choose_device
 
     count = cfg.parallel.data_parallel_size
@@ -131,7 +133,11 @@ def start_replicas(cfg: EngineConfig, argv: list[str]) -> tuple[list[subprocess.
     ids = [f"replica-{i}-{secrets.token_hex(8)}" for i in range(count)]
     gpus: list[str] = []
     try:
-        if choose_device(cfg.model.device)[0] == "cuda":
+        if cfg.model.device == "auto":  # as choose_device's, without naming the GPU (no
+            on_cuda = torch.cuda.is_available()  # CUDA state here: the router runs no model)
+        else:  # a device that is not there fails here, naming it
+            on_cuda = choose_device(cfg.model.device)[0] == "cuda"
+        if on_cuda:
             gpus = replica_gpus(count, cfg.parallel.tensor_parallel_size, visible_gpus())
     except ValueError as exc:
         raise SystemExit(f"bin/engine: --data-parallel-size {count}: {exc}") from None

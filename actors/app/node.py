@@ -41,6 +41,9 @@ def serve_node(cfg: EngineConfig) -> int:
     except ValueError as exc:
         print(f"bin/engine: {exc}", file=sys.stderr, flush=True)
         return 1
+    import torch
+
+    gpus_here = torch.cuda.device_count()  # node 0 refuses a CUDA group's node with too few
     stopping = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopping.set())
@@ -52,7 +55,7 @@ def serve_node(cfg: EngineConfig) -> int:
                 par.node_rank,
                 par.join_timeout_s,
                 stopping.is_set,
-                about={"world": par.tensor_parallel_size, "nnodes": par.nnodes},
+                about={"world": par.tensor_parallel_size, "nnodes": par.nnodes, "gpus": gpus_here},
             )
         except RendezvousError as exc:
             print(f"bin/engine: node {par.node_rank}: {exc}", file=sys.stderr, flush=True)
@@ -67,9 +70,7 @@ def serve_node(cfg: EngineConfig) -> int:
         gpus = list(settings.gpus)
         if settings.device == "cuda":  # this machine's GPUs, one per rank
             try:
-                import torch
-
-                for rank, gpu in zip(ranks, cuda_gpus(per_node, torch.cuda.device_count())):
+                for rank, gpu in zip(ranks, cuda_gpus(per_node, gpus_here)):
                     gpus[rank] = gpu
             except ValueError as exc:
                 print(f"bin/engine: node {par.node_rank}: {exc}", file=sys.stderr, flush=True)

@@ -216,22 +216,23 @@ class _ReportingDataGroup:
     """NCCL's side of a data group as the runner sees it: `get_error` (what its watchdog
     found) and `abort`."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: TpGroup) -> None:
+        self.group = group
         self.error = SimpleNamespace(name="SUCCESS")
-        self.aborted = 0
+        self.broken_at_abort: list = []  # the group's `broken` each time abort ran
 
     def get_error(self):
         return self.error
 
     def abort(self) -> None:
-        self.aborted += 1
+        self.broken_at_abort.append(self.group.broken)
 
 
 def _one_rank_group() -> TpGroup:
     store = torch.distributed.HashStore()
     group = TpGroup(gloo_group(store, 0, 1, "127.0.0.1"), 0, 1, store)
     group.check()  # one group, healthy: nothing to report
-    group.data_pg, group.data_backend = _ReportingDataGroup(), "nccl"
+    group.data_pg, group.data_backend = _ReportingDataGroup(group), "nccl"
     return group
 
 
@@ -249,10 +250,21 @@ def test_a_failure_the_data_group_reports_fails_the_step_and_breaks_the_group():
 
 def test_an_abort_breaks_the_group_before_it_ends_the_collectives():
     group = _one_rank_group()
-    group.abort("tensor-parallel rank 1 exited with code -9")
-    assert group.data_pg.aborted == 1
+    why = "tensor-parallel rank 1 exited with code -9"
+    group.abort(why)
+    assert group.data_pg.broken_at_abort == [why]  # broken first: no step answered after
     with pytest.raises(TensorParallelError, match="rank 1 exited with code -9"):
         group.check()  # the step an abort cut short is not answered
+
+
+def test_one_gloo_group_is_not_broken_by_an_abort():
+    """Without a data group of its own, gloo fails its collectives itself: a step that
+    finished them while a rank died stands."""
+    store = torch.distributed.HashStore()
+    group = TpGroup(gloo_group(store, 0, 1, "127.0.0.1"), 0, 1, store)
+    group.abort("tensor-parallel rank 1 exited with code -9")
+    assert group.broken is None
+    group.check()
 
 
 def test_the_embedded_gemma_splits_exactly(two_ranks):

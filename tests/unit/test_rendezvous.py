@@ -104,3 +104,39 @@ def test_two_nodes_given_the_same_node_rank_are_told_so(admission, monkeypatch):
     assert request_admission(address, secret, 2, wait_s=5)["node"] == 2  # the right one joins
     outcome[-1].join(5)
     assert outcome == [outcome[-1]]
+
+
+def test_node_0_names_the_refusal_when_the_refused_node_never_joins(admission):
+    """A node refused by `answer` (another group shape, too few GPUs) is told why, and node
+    0's own timeout names that refusal rather than only a node that did not join."""
+    from kernels.tensor_parallel import check_node
+
+    node0, address, secret = admission
+    errors: list = []
+
+    def run():
+        try:
+            node0.admit({1}, lambda h: check_node(h, 4, 2, "cuda") or {}, time.monotonic() + 3)
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    with pytest.raises(RendezvousError, match="node 1: 2 tensor-parallel ranks .* sees 1"):
+        request_admission(address, secret, 1, wait_s=5, about={"world": 4, "nnodes": 2, "gpus": 1})
+    thread.join(10)
+    (error,) = errors
+    assert "did not join" in str(error)
+    assert "node 1 was refused: node 1: 2 tensor-parallel ranks on this machine" in str(error)
+
+
+def test_a_nodes_hello_is_checked_against_the_group():
+    from kernels.tensor_parallel import check_node
+
+    check_node({"node_rank": 1, "world": 4, "nnodes": 2, "gpus": 2}, 4, 2, "cuda")
+    check_node({"node_rank": 1, "world": 4, "nnodes": 2, "gpus": 0}, 4, 2, "cpu")
+    check_node({"node_rank": 1, "world": 4, "nnodes": 2}, 4, 2, "cuda")  # it checks itself
+    with pytest.raises(ValueError, match=r"node 1 has tensor_parallel_size, nnodes = \(2, 2\)"):
+        check_node({"node_rank": 1, "world": 2, "nnodes": 2}, 4, 2, "cpu")
+    with pytest.raises(ValueError, match="node 1: 2 tensor-parallel ranks .* sees 1"):
+        check_node({"node_rank": 1, "world": 4, "nnodes": 2, "gpus": 1}, 4, 2, "cuda")
