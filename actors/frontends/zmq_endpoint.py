@@ -40,6 +40,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from actors.frontends.base import FrontendActor, GenerationError
+from actors.tokenizer.validation import ERR_CONTEXT_LENGTH as ENGINE_CONTEXT_LENGTH
 from actors.tokenizer.validation import ERR_INVALID_REQUEST as ENGINE_INVALID_REQUEST
 from actors.tokenizer.validation import ERR_OVERLOADED as ENGINE_OVERLOADED
 from transport.channel import ChannelClosed, shared_context
@@ -470,6 +471,7 @@ class ZmqEndpointActor(FrontendActor):
 
 _CLIENT_CODES = {
     ENGINE_INVALID_REQUEST: ERR_INVALID_REQUEST,
+    ENGINE_CONTEXT_LENGTH: ERR_INVALID_REQUEST,  # the protocol's code for any bad input
     ENGINE_OVERLOADED: ERR_OVERLOADED,
     ERR_SESSION_NOT_FOUND: ERR_SESSION_NOT_FOUND,
     ERR_SESSION_BUSY: ERR_SESSION_BUSY,

@@ -36,6 +36,7 @@ from actors.tokenizer.validation import (
     ERR_OVERLOADED,
     ERR_UNAVAILABLE,
     BadRequest,
+    ContextTooLong,
     Overloaded,
     Unavailable,
     check_fits_kv_pool,
@@ -44,6 +45,7 @@ from actors.tokenizer.validation import (
     check_prompt_size,
     check_prompt_source,
     fit_to_context,
+    refusal_code,
 )
 from actors.tool_calls import resolve_tool_format, template_knows_tools, tool_format
 from kernels.grammar import ByteLRU
@@ -230,7 +232,7 @@ class TokenizerActor(Actor):
             try:
                 return await self._tokenize(msg)
             except BadRequest as exc:
-                return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
+                return ErrorReply(code=refusal_code(exc), message=str(exc))
         if isinstance(msg, DetokenizeRequest):
             try:
                 check_prompt_ids(msg.tokens, self.vocab)
@@ -354,7 +356,7 @@ class TokenizerActor(Actor):
             check_prompt_size(len(text), self.context_len, self.max_token_chars)
             ids = await self._encode(text, False)
         if len(ids) > self.context_len:
-            raise BadRequest(
+            raise ContextTooLong(
                 f"prompt is {len(ids)} tokens; this model's context is {self.context_len} tokens"
             )
         strs: list[str] = []
@@ -796,7 +798,7 @@ class TokenizerActor(Actor):
 def _refusal(exc: Exception) -> ErrorReply:
     """The ErrorReply a refused request gets (its code picks the HTTP status)."""
     if isinstance(exc, BadRequest):
-        return ErrorReply(code=ERR_INVALID_REQUEST, message=str(exc))
+        return ErrorReply(code=refusal_code(exc), message=str(exc))
     if isinstance(exc, Overloaded):
         return ErrorReply(code=ERR_OVERLOADED, message=str(exc))
     if isinstance(exc, SessionRefused):

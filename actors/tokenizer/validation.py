@@ -2,8 +2,11 @@
 
 Every check raises `BadRequest` with a message that starts with the offending field
 (`"temperature: must be in [0, 2] ..."`); the gateway maps it to HTTP 400 with that
-`param`, the ZeroMQ endpoint to an `invalid_request` error frame. A refused request
-changes no engine state. Parameter limits are `transport.messages.params`'s, the only ones.
+`param`, the ZeroMQ endpoint to an `invalid_request` error frame. A prompt too long for
+the context or the KV pool raises `ContextTooLong`, whose own ErrorReply code
+(`ERR_CONTEXT_LENGTH`) becomes OpenAI's `context_length_exceeded` over HTTP: the class says
+so, never the message's text (which may quote the client's). A refused request changes no
+engine state. Parameter limits are `transport.messages.params`'s, the only ones.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from transport.messages.params import GenerationParams, InvalidParams, validate_
 
 ERR_INVALID_REQUEST = "invalid_request"  # ErrorReply code for bad client input (HTTP 400)
 ERR_OVERLOADED = "overloaded"  # ErrorReply code when the queue is full (HTTP 429)
+# ErrorReply code for a prompt (or prompt + a client's max_tokens) beyond the model's context
+# or the whole KV pool (HTTP 400, code context_length_exceeded; ZeroMQ: invalid_request)
+ERR_CONTEXT_LENGTH = "context_length_exceeded"
 # ErrorReply code when the engine could not take an accepted-looking request (HTTP 503): the
 # same value as the frontends' ERR_ENGINE_STOPPED
 ERR_UNAVAILABLE = "engine_stopped"
@@ -22,6 +28,16 @@ ERR_UNAVAILABLE = "engine_stopped"
 
 class BadRequest(ValueError):
     """Invalid client input; the gateway maps it to HTTP 400."""
+
+
+class ContextTooLong(BadRequest):
+    """A prompt the model's context or the whole KV pool cannot hold, or one that leaves
+    less room than the max_tokens a client fixed."""
+
+
+def refusal_code(exc: BadRequest) -> str:
+    """The ErrorReply code of a refusal: ERR_CONTEXT_LENGTH or ERR_INVALID_REQUEST."""
+    return ERR_CONTEXT_LENGTH if isinstance(exc, ContextTooLong) else ERR_INVALID_REQUEST
 
 
 class Overloaded(RuntimeError):
@@ -37,7 +53,7 @@ def check_prompt_size(chars: int, context_len: int, max_token_chars: int) -> Non
     """Refuse, before tokenizing, a text that cannot fit: every token covers at most
     `max_token_chars` characters, so a longer text has more tokens than the context."""
     if chars > context_len * max_token_chars:
-        raise BadRequest(
+        raise ContextTooLong(
             f"prompt is {chars} characters, more than this model's context of {context_len} "
             "tokens can hold"
         )
@@ -70,7 +86,7 @@ def check_fits_kv_pool(prompt_len: int, kv_tokens: int) -> None:
     generated. (A prompt that fills the pool exactly still gives its first token, sampled
     from the prompt's own last position.)"""
     if kv_tokens and prompt_len > kv_tokens:
-        raise BadRequest(
+        raise ContextTooLong(
             f"prompt is {prompt_len} tokens; this server's KV cache holds {kv_tokens} tokens "
             "in all (kv.num_pages x kv.page_size), so it can never run here"
         )
@@ -82,12 +98,12 @@ def fit_to_context(p: GenerationParams, prompt_len: int, context_len: int) -> Ge
     if prompt_len == 0:
         raise BadRequest("prompt is empty")
     if prompt_len >= context_len:
-        raise BadRequest(
+        raise ContextTooLong(
             f"prompt is {prompt_len} tokens; this model's context is {context_len} tokens"
         )
     room = context_len - prompt_len
     if p.max_tokens > room and p.max_tokens_strict:
-        raise BadRequest(
+        raise ContextTooLong(
             f"max_tokens: the prompt is {prompt_len} tokens and this model's context is "
             f"{context_len} tokens, so at most {room} can be generated; {p.max_tokens} were "
             "asked for"

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from actors.runtime import Actor, ActorSpec, ActorSystem, RemoteError
-from actors.tokenizer.validation import ERR_INVALID_REQUEST, ERR_UNAVAILABLE
+from actors.tokenizer.validation import ERR_CONTEXT_LENGTH, ERR_INVALID_REQUEST, ERR_UNAVAILABLE
 from tests.actors.probe_actors import ProbeActor
 from transport.messages.control import StatsReply, StatsRequest
 from transport.messages.engine import (
@@ -248,10 +248,11 @@ def test_tokenize_is_bounded_like_a_prompt_and_returns_token_strings_in_one_call
             with pytest.raises(RemoteError) as err:
                 await tok.call(TokenizeRequest(prompt="hello " * 400_000), expect=TokenizeReply)
             assert time.monotonic() - t0 < 1.0  # refused by its size, not tokenized
-            assert err.value.reply.code == ERR_INVALID_REQUEST
+            assert err.value.reply.code == ERR_CONTEXT_LENGTH
             assert err.value.reply.message.startswith("prompt is")
             with pytest.raises(RemoteError) as err:  # small enough to read, too many tokens
                 await tok.call(TokenizeRequest(prompt="x " * 1000), expect=TokenizeReply)
+            assert err.value.reply.code == ERR_CONTEXT_LENGTH
             assert "context is 512 tokens" in err.value.reply.message
             reply = await tok.call(
                 TokenizeRequest(prompt="Hello, world", return_token_strs=True),

@@ -13,7 +13,7 @@ import re
 import msgspec
 
 from actors.frontends.base import ERR_ENGINE_STOPPED, GenerationError
-from actors.tokenizer.validation import ERR_INVALID_REQUEST, ERR_OVERLOADED
+from actors.tokenizer.validation import ERR_CONTEXT_LENGTH, ERR_INVALID_REQUEST, ERR_OVERLOADED
 from transport.messages.sessions import (
     ERR_SESSION_BUSY,
     ERR_SESSION_LIMIT,
@@ -138,11 +138,10 @@ def from_generation_error(exc: GenerationError) -> ApiError:
         return ApiError(429, exc.message, type="rate_limit_error", code=exc.code)
     if exc.code == ERR_ENGINE_STOPPED:
         return ApiError(503, exc.message, type=UNAVAILABLE, code="engine_stopped")
-    if exc.code == ERR_INVALID_REQUEST:
+    if exc.code in (ERR_INVALID_REQUEST, ERR_CONTEXT_LENGTH):
         named = _FIELD_PREFIX.match(exc.message)
         param = named.group(1) if named else None
-        # the model's context, or the whole KV pool where that is smaller: too long either way
-        too_long = "context is" in exc.message or "KV cache holds" in exc.message
-        code = "context_length_exceeded" if too_long else None
+        # too long for the model's context, or for the whole KV pool where that is smaller
+        code = "context_length_exceeded" if exc.code == ERR_CONTEXT_LENGTH else None
         return ApiError(400, exc.message, param=param, code=code)
     return ApiError(500, f"engine error: {exc.code}: {exc.message}", type=SERVER_ERROR)
