@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from actors.runtime import ActorSpec, ActorSystem, RemoteError
-from actors.tokenizer.validation import ERR_INVALID_REQUEST
+from actors.tokenizer.validation import ERR_CONTEXT_LENGTH, ERR_INVALID_REQUEST
 from tests.actors.probe_actors import ProbeActor
 from transport.messages.control import Pong
 from transport.messages.engine import (
@@ -102,7 +102,7 @@ def test_an_oversized_prompt_is_refused_by_its_length_before_tokenizing():
             )
             with pytest.raises(RemoteError) as err:
                 await tok.call(request, timeout=30)
-            assert err.value.reply.code == ERR_INVALID_REQUEST
+            assert err.value.reply.code == ERR_CONTEXT_LENGTH  # too long: its own code
             assert "characters" in err.value.reply.message, err.value.reply
 
     anyio.run(go)
